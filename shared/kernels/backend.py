@@ -1,0 +1,95 @@
+"""The attention backend interface: how the model reads and writes the paged, quantized KV cache.
+
+Semantics shared by every backend (torch on the CPU, Triton on a GPU), per layer and per step:
+
+1. `attend` runs first. Each sequence's new query tokens attend, causally, to
+     - its cached prefix: `prefix_lens[i]` tokens = full pages `block_tables[i, :prefix_lens[i] // bs]`
+       in the pool (quantized) followed by `prefix_lens[i] % bs` tokens in its residual slot
+       (the partial tail block, kept in full precision), and
+     - its own new tokens, whose K/V are passed in dense and in full precision.
+   Decode is the case where every sequence has exactly one new token.
+2. `write` runs after: it completes blocks (residual tokens + new tokens) and quantizes each whole
+   block into its page (`WritePlan.block_ids`; -1 = padding, skipped), computing the scales from
+   the whole block; the leftover tokens go to the residual slot. Scales are therefore always
+   computed over a complete block, and the newest (< block_size) tokens stay in full precision.
+
+Tensors (T = new tokens in the step, B = sequences, H = query heads, KVH = KV heads, D = head_dim):
+    q:  [T, H, D]      k, v: [T, KVH, D]      out: [T, H, D]       (model dtype)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kvmesh.kv.pool import KVCache
+
+
+@dataclass
+class WritePlan:
+    """Where this step's new K/V rows go. Indices address the concatenation, per layer,
+    S = cat(residual rows [num_slots * bs, KVH, D], new rows [T, KVH, D])."""
+
+    block_rows: torch.Tensor
+    """int64 [n_blocks, bs]: rows of S that make up each block completed this step."""
+    block_ids: torch.Tensor
+    """int64 [n_blocks]: the page each completed block is quantized into (-1 = padding)."""
+    residual_src: torch.Tensor
+    """int64 [m]: rows of S that stay in full precision..."""
+    residual_dst: torch.Tensor
+    """int64 [m]: ...and the residual rows (slot * bs + offset) they are copied to."""
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything a backend needs about one step's batch; built once per step by the runner."""
+
+    query_start_loc: torch.Tensor
+    """int32 [B + 1]: new tokens of sequence i are rows query_start_loc[i]:query_start_loc[i+1]."""
+    prefix_lens: torch.Tensor
+    """int32 [B]: tokens already cached (pages + residual) before this step."""
+    block_tables: torch.Tensor
+    """int32 [B, max_blocks]: page ids; entries past a sequence's pages are -1."""
+    residual_slots: torch.Tensor
+    """int32 [B]: each sequence's residual slot."""
+    max_query_len: int
+    """Longest new-token run in the batch (1 for a pure decode step)."""
+    max_prefix_len: int
+    """Longest cached prefix in the batch."""
+    write: WritePlan
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.prefix_lens.shape[0])
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def attend(self, cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Returns out [T, H, D]: softmax(q·Kᵀ·scale)·V over prefix + new tokens (causal)."""
+        ...
+
+    def write(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
+              meta: AttentionMetadata) -> None:
+        """Quantizes completed blocks into their pages and keeps the tail in the residual slots."""
+        ...
+
+
+def make_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`auto` picks Triton on a GPU and torch on the CPU."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        from kvmesh.kernels.torch_ref import TorchBackend
+        return TorchBackend()
+    if name == "triton":
+        from kvmesh.kernels.triton_backend import TritonBackend
+        return TritonBackend()
+    raise ValueError(f"--attention-backend must be auto, torch or triton, got {name!r}")

@@ -1,0 +1,181 @@
+"""The byte layout of one KV block, and the memory arithmetic built on it.
+
+A block holds `block_size` tokens of K and V for *every* layer, as one contiguous run of bytes
+(data and scales together), so it moves between services as one buffer and lands in a pool with
+one copy. Inside a block, layer by layer:
+
+    [ K data | V data | K scales | V scales ]   (each region padded to 16 bytes)
+
+    K/V data:   [kv_heads, block_size, head_dim]          storage dtype (int4: head_dim // 2 bytes,
+                                                           low nibble = even channel)
+    scales per format (see KVFormat below):
+      fp8_e4m3 / fp8_e5m2: K, V  [kv_heads]                float32  x = q * s
+      int8:                K, V  [kv_heads, block_size]    float16  x = q * s (symmetric, per token)
+      int4:                K     [kv_heads, 2, head_dim]   float16  x = q * s + m (per channel over
+                                                           the block: row 0 = s, row 1 = m)
+                           V     [kv_heads, block_size, 2, head_dim // 32]
+                                                           float16  x = q * s + m (per token, groups
+                                                           of 32 channels: [.., 0, g] = s, [.., 1, g] = m)
+      auto / fp16 / bf16 / fp32: no scales
+
+This module imports no torch: the gateway and `kvmesh memory` use it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+KVCacheDtype = Literal["auto", "fp16", "bf16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp16", "bf16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
+
+INT4_GROUP = 32  # channels per value group in int4 (KIVI-style per-token groups)
+_ALIGN = 16  # bytes; regions start on 16-byte boundaries so kernels can use vector loads
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def canonical_kv_dtype(kv_cache_dtype: str, model_dtype: str = "fp16") -> str:
+    """Resolve vLLM-style names: `fp8` means e4m3, `auto` means the model's own dtype."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"--kv-cache-dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    if kv_cache_dtype == "fp8":
+        return "fp8_e4m3"
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    return kv_cache_dtype
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How one K or V element and its scales are stored, for one canonical KV dtype."""
+
+    name: str
+    """Canonical name: fp16, bf16, fp32, fp8_e4m3, fp8_e5m2, int8 or int4."""
+    bits: int
+    """Bits per stored element."""
+    scale_bytes_per_elem: int
+    """Bytes of one scale value (0: no scales)."""
+
+    @property
+    def quantized(self) -> bool:
+        return self.scale_bytes_per_elem > 0
+
+    @staticmethod
+    def of(canonical: str) -> "KVFormat":
+        table = {
+            "fp32": KVFormat("fp32", 32, 0),
+            "fp16": KVFormat("fp16", 16, 0),
+            "bf16": KVFormat("bf16", 16, 0),
+            "fp8_e4m3": KVFormat("fp8_e4m3", 8, 4),
+            "fp8_e5m2": KVFormat("fp8_e5m2", 8, 4),
+            "int8": KVFormat("int8", 8, 2),
+            "int4": KVFormat("int4", 4, 2),
+        }
+        if canonical not in table:
+            raise ValueError(f"unknown canonical KV dtype {canonical!r}")
+        return table[canonical]
+
+    def k_scale_count(self, kv_heads: int, block_size: int, head_dim: int) -> int:
+        """Number of K scale values in one block and layer."""
+        if self.name.startswith("fp8"):
+            return kv_heads
+        if self.name == "int8":
+            return kv_heads * block_size
+        if self.name == "int4":
+            return kv_heads * 2 * head_dim
+        return 0
+
+    def v_scale_count(self, kv_heads: int, block_size: int, head_dim: int) -> int:
+        """Number of V scale values in one block and layer."""
+        if self.name == "int4":
+            return kv_heads * block_size * 2 * (head_dim // INT4_GROUP)
+        return self.k_scale_count(kv_heads, block_size, head_dim)
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Byte offsets of every region inside one block. All offsets are in bytes from the block start."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    kv_dtype: str
+    """Canonical KV dtype (see `canonical_kv_dtype`)."""
+
+    def __post_init__(self) -> None:
+        fmt = KVFormat.of(self.kv_dtype)
+        if self.block_size <= 0 or self.block_size % 8:
+            raise ValueError(f"--block-size must be a positive multiple of 8, got {self.block_size}")
+        if fmt.name == "int4" and self.head_dim % INT4_GROUP:
+            raise ValueError(f"int4 KV needs head_dim divisible by {INT4_GROUP}, got {self.head_dim}")
+
+    @property
+    def fmt(self) -> KVFormat:
+        return KVFormat.of(self.kv_dtype)
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of K (or V) data for one layer: [kv_heads, block_size, head_dim]."""
+        return self.kv_heads * self.block_size * self.head_dim * self.fmt.bits // 8
+
+    @property
+    def k_scale_bytes(self) -> int:
+        return self.fmt.k_scale_count(self.kv_heads, self.block_size, self.head_dim) * self.fmt.scale_bytes_per_elem
+
+    @property
+    def v_scale_bytes(self) -> int:
+        return self.fmt.v_scale_count(self.kv_heads, self.block_size, self.head_dim) * self.fmt.scale_bytes_per_elem
+
+    @property
+    def k_data_offset(self) -> int:
+        return 0
+
+    @property
+    def v_data_offset(self) -> int:
+        return _align(self.data_bytes)
+
+    @property
+    def k_scale_offset(self) -> int:
+        return 2 * _align(self.data_bytes)
+
+    @property
+    def v_scale_offset(self) -> int:
+        return self.k_scale_offset + _align(self.k_scale_bytes)
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer inside a block (the stride between layers)."""
+        return self.v_scale_offset + _align(self.v_scale_bytes)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one whole block: every layer's K, V and scales."""
+        return self.num_layers * self.layer_bytes
+
+    @property
+    def bytes_per_token(self) -> float:
+        """KV bytes per token, data and scales, as stored."""
+        return self.block_bytes / self.block_size
+
+    @property
+    def data_bytes_per_token(self) -> float:
+        return 2 * self.num_layers * self.data_bytes / self.block_size
+
+    @property
+    def scale_bytes_per_token(self) -> float:
+        return self.bytes_per_token - self.data_bytes_per_token
+
+
+def tokens_per_gib(layout: BlockLayout) -> float:
+    """KV tokens that fit in one GiB of pool memory."""
+    return (1 << 30) / layout.bytes_per_token
+
+
+def sequences_that_fit(layout: BlockLayout, memory_bytes: int, seq_len: int) -> int:
+    """Whole sequences of `seq_len` tokens that fit in `memory_bytes` (each rounds up to full blocks)."""
+    blocks_per_seq = -(-seq_len // layout.block_size)
+    return int(memory_bytes // layout.block_bytes) // blocks_per_seq

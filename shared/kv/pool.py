@@ -1,0 +1,100 @@
+"""The physical KV pool: pages of bytes (one page = one block, all layers) plus residual slots.
+
+    pool:     uint8 [num_blocks, block_bytes]   quantized full blocks, layout in `layout.py`
+    residual: [num_slots, num_layers, 2, kv_heads, block_size, head_dim]  model dtype; the partial
+              tail block of each running sequence, in full precision until it fills
+
+A page moves between services as `pool[block_id]` (one contiguous buffer); a residual slot as
+`residual[slot]`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.kv.layout import BlockLayout
+
+STORAGE_DTYPES = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "int4": torch.uint8,  # two 4-bit values per byte, low nibble = even channel
+}
+SCALE_DTYPES = {"fp8_e4m3": torch.float32, "fp8_e5m2": torch.float32,
+                "int8": torch.float16, "int4": torch.float16}
+
+
+@dataclass
+class LayerView:
+    """Typed views of one layer of every page (no copies)."""
+
+    k: torch.Tensor  # [num_blocks, kv_heads, block_size, head_dim (int4: head_dim // 2)]
+    v: torch.Tensor  # same
+    k_scale: torch.Tensor | None  # format-specific, see layout.py; leading dim num_blocks
+    v_scale: torch.Tensor | None
+
+
+class KVCache:
+    """Owns the pool and residual tensors; knows nothing of which sequence uses which page."""
+
+    def __init__(self, layout: BlockLayout, num_blocks: int, num_residual_slots: int,
+                 model_dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.model_dtype = model_dtype
+        self.device = torch.device(device)
+        self.pool = torch.zeros(num_blocks, layout.block_bytes, dtype=torch.uint8, device=self.device)
+        self.residual = torch.zeros(num_residual_slots, layout.num_layers, 2, layout.kv_heads,
+                                    layout.block_size, layout.head_dim, dtype=model_dtype,
+                                    device=self.device)
+
+    @property
+    def num_residual_slots(self) -> int:
+        return int(self.residual.shape[0])
+
+    def layer_view(self, layer: int) -> LayerView:
+        L = self.layout
+        base = self.pool.view(self.num_blocks, L.num_layers, L.layer_bytes)[:, layer]  # [N, layer_bytes]
+        dt = STORAGE_DTYPES[L.kv_dtype]
+        cols = L.head_dim // 2 if L.kv_dtype == "int4" else L.head_dim
+        shape = (self.num_blocks, L.kv_heads, L.block_size, cols)
+
+        def region(off: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+            return base[:, off:off + nbytes].view(dtype)
+
+        k = region(L.k_data_offset, L.data_bytes, dt).view(shape)
+        v = region(L.v_data_offset, L.data_bytes, dt).view(shape)
+        if not L.fmt.quantized:
+            return LayerView(k, v, None, None)
+        sd = SCALE_DTYPES[L.kv_dtype]
+        ks = region(L.k_scale_offset, L.k_scale_bytes, sd)
+        vs = region(L.v_scale_offset, L.v_scale_bytes, sd)
+        H, bs, D = L.kv_heads, L.block_size, L.head_dim
+        if L.kv_dtype == "int8":
+            ks, vs = ks.view(-1, H, bs), vs.view(-1, H, bs)
+        elif L.kv_dtype == "int4":
+            ks, vs = ks.view(-1, H, 2, D), vs.view(-1, H, bs, 2, D // 32)
+        else:
+            ks, vs = ks.view(-1, H), vs.view(-1, H)
+        return LayerView(k, v, ks, vs)
+
+    def residual_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual K and V of one layer as row tensors [num_slots * block_size, kv_heads, head_dim]
+        (copies: residual is laid out heads-major, so rows are gathered)."""
+        r = self.residual[:, layer]  # [S, 2, H, bs, D]
+        k = r[:, 0].transpose(1, 2).reshape(-1, self.layout.kv_heads, self.layout.head_dim)
+        v = r[:, 1].transpose(1, 2).reshape(-1, self.layout.kv_heads, self.layout.head_dim)
+        return k, v
+
+    def read_page(self, block_id: int) -> bytes:
+        return self.pool[block_id].cpu().numpy().tobytes()
+
+    def write_page(self, block_id: int, data: bytes | memoryview) -> None:
+        if len(data) != self.layout.block_bytes:
+            raise ValueError(f"page is {len(data)} bytes, layout wants {self.layout.block_bytes}")
+        src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self.pool[block_id].copy_(src)
