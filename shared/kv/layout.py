@@ -18,6 +18,14 @@ one copy. Inside a block, layer by layer:
                                                            of 32 channels: [.., 0, g] = s, [.., 1, g] = m)
       auto / fp16 / bf16 / fp32: no scales
 
+Quantization math (the torch reference in `quant.py` and the Triton kernels must agree exactly;
+scales are rounded to their stored dtype *before* quantizing, so dequantization uses what is stored):
+    fp8:  s = max(absmax(x[head]), 1e-6) / FMAX  (FMAX 448 e4m3, 57344 e5m2); q = cast(clamp(x / s, ±FMAX))
+    int8: s = max(absmax(x[head, token]), 1e-6) / 127; q = clamp(round_half_even(x / s), -127, 127)
+    int4: m = min, s = max((max - min) / 15, 1e-6) over the group; q = clamp(round_half_even((x - m) / s), 0, 15)
+          groups: K = each channel over the block's tokens; V = each token's 32-channel group
+The whole block is quantized at once (see kernels/backend.py), so per-block scales are exact.
+
 This module imports no torch: the gateway and `kvmesh memory` use it.
 """
 from __future__ import annotations
