@@ -24,6 +24,8 @@ scales are rounded to their stored dtype *before* quantizing, so dequantization 
     int8: s = max(absmax(x[head, token]), 1e-6) / 127; q = clamp(round_half_even(x / s), -127, 127)
     int4: m = min, s = max((max - min) / 15, 1e-6) over the group; q = clamp(round_half_even((x - m) / s), 0, 15)
           groups: K = each channel over the block's tokens; V = each token's 32-channel group
+float16 scales (int8, int4 s) are clamped to >= 2**-24 (fp16's smallest subnormal) after rounding, so
+a near-zero group never stores s = 0 (int8's 1e-6 / 127 floor would round to 0 in fp16).
 The whole block is quantized at once (see kernels/backend.py), so per-block scales are exact.
 
 This module imports no torch: the gateway and `kvmesh memory` use it.

@@ -1,0 +1,155 @@
+"""Torch reference of the KV quantization math written down in `layout.py`.
+
+Write path: `quantize_blocks` turns whole blocks of K/V rows into stored parts (data + scales) and
+`store_blocks` puts them into a layer's typed page views. Read path: `dequantize_layer` turns pages
+back into float K/V. Every function works on a batch of blocks at once (no loops over tokens), on
+any device. Scales are rounded to their stored dtype *before* quantizing, so dequantization uses
+exactly what is stored; the Triton kernels follow the same math.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.kv.layout import INT4_GROUP, KVFormat
+from kvmesh.kv.pool import SCALE_DTYPES, STORAGE_DTYPES, LayerView
+
+FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+INT8_MAX = 127.0
+INT4_LEVELS = 15.0
+SCALE_FLOOR = 1e-6
+FP16_TINY = 2.0 ** -24  # smallest fp16 subnormal: an fp16 scale never rounds to zero (no 0/0)
+
+
+@dataclass
+class QuantizedBlocks:
+    """Stored parts of n whole blocks of one layer, shaped like `LayerView` with n leading."""
+
+    k: torch.Tensor  # [n, KVH, bs, D] storage dtype (int4: uint8 [n, KVH, bs, D // 2])
+    v: torch.Tensor  # same
+    k_scale: torch.Tensor | None  # format-specific (see layout.py), leading dim n
+    v_scale: torch.Tensor | None
+
+
+def _fmt_name(fmt: str | KVFormat) -> str:
+    name = fmt.name if isinstance(fmt, KVFormat) else fmt
+    if name not in STORAGE_DTYPES:
+        raise ValueError(f"kv dtype must be canonical ({', '.join(STORAGE_DTYPES)}), got {name!r}")
+    return name
+
+
+def _round_scale(s: torch.Tensor, name: str) -> torch.Tensor:
+    """Round a float32 scale to its stored dtype and back (what dequantization will see)."""
+    sd = SCALE_DTYPES[name]
+    if sd == torch.float16:
+        s = s.clamp(max=65504.0).to(torch.float16).float()
+        return s.clamp(min=FP16_TINY)
+    return s.to(sd).float()
+
+
+def _pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q: [..., D] integer values 0..15 -> uint8 [..., D // 2], low nibble = even channel."""
+    q = q.to(torch.uint8)
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def _unpack_int4(p: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., D // 2] -> float32 [..., D] values 0..15."""
+    lo = (p & 0xF).float()
+    hi = (p >> 4).float()
+    return torch.stack((lo, hi), dim=-1).flatten(-2)
+
+
+def _quantize_one(x: torch.Tensor, name: str, is_key: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x: float32 [n, KVH, bs, D] -> (data, scale) in the stored dtypes."""
+    n, H, bs, D = x.shape
+    if name in ("fp32", "fp16", "bf16"):
+        return x.to(STORAGE_DTYPES[name]), None
+    if name in FP8_MAX:
+        fmax = FP8_MAX[name]
+        s = _round_scale(x.abs().amax(dim=(2, 3)).clamp(min=SCALE_FLOOR) / fmax, name)  # [n, H]
+        q = (x / s[:, :, None, None]).clamp(-fmax, fmax).to(STORAGE_DTYPES[name])
+        return q, s.to(SCALE_DTYPES[name])
+    if name == "int8":
+        s = _round_scale(x.abs().amax(dim=3).clamp(min=SCALE_FLOOR) / INT8_MAX, name)  # [n, H, bs]
+        q = torch.round(x / s[..., None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+        return q, s.to(SCALE_DTYPES[name])
+    if name == "int4":
+        if is_key:  # per channel over the block's tokens: groups are [n, H, :, d]
+            lo, hi = x.amin(dim=2), x.amax(dim=2)  # [n, H, D]
+            s = _round_scale(((hi - lo) / INT4_LEVELS).clamp(min=SCALE_FLOOR), name)
+            m = _round_scale_signed(lo)
+            q = torch.round((x - m[:, :, None, :]) / s[:, :, None, :]).clamp(0, INT4_LEVELS)
+            scale = torch.stack((s, m), dim=2)  # [n, H, 2, D]
+        else:  # per token, groups of 32 channels
+            g = x.view(n, H, bs, D // INT4_GROUP, INT4_GROUP)
+            lo, hi = g.amin(dim=4), g.amax(dim=4)  # [n, H, bs, G]
+            s = _round_scale(((hi - lo) / INT4_LEVELS).clamp(min=SCALE_FLOOR), name)
+            m = _round_scale_signed(lo)
+            q = torch.round((g - m[..., None]) / s[..., None]).clamp(0, INT4_LEVELS).view(n, H, bs, D)
+            scale = torch.stack((s, m), dim=3)  # [n, H, bs, 2, G]
+        return _pack_int4(q), scale.to(SCALE_DTYPES[name])
+    raise ValueError(f"unsupported kv dtype {name!r}")
+
+
+def _round_scale_signed(m: torch.Tensor) -> torch.Tensor:
+    """The int4 offset (a group minimum) rounded to fp16; it may be negative or zero."""
+    return m.clamp(-65504.0, 65504.0).to(torch.float16).float()
+
+
+def quantize_blocks(k: torch.Tensor, v: torch.Tensor, fmt: str | KVFormat) -> QuantizedBlocks:
+    """Quantize whole blocks. k, v: [n, bs, KVH, D] (rows in token order) in any float dtype."""
+    name = _fmt_name(fmt)
+    if k.shape != v.shape or k.dim() != 4:
+        raise ValueError(f"k and v must both be [n, bs, KVH, D], got {tuple(k.shape)} and {tuple(v.shape)}")
+    if name == "int4" and k.shape[-1] % INT4_GROUP:
+        raise ValueError(f"int4 KV needs head_dim divisible by {INT4_GROUP}, got {k.shape[-1]}")
+    kx = k.float().transpose(1, 2).contiguous()  # [n, KVH, bs, D]
+    vx = v.float().transpose(1, 2).contiguous()
+    kq, ks = _quantize_one(kx, name, is_key=True)
+    vq, vs = _quantize_one(vx, name, is_key=False)
+    return QuantizedBlocks(kq, vq, ks, vs)
+
+
+def store_blocks(view: LayerView, block_ids: torch.Tensor, qb: QuantizedBlocks) -> None:
+    """Write quantized blocks into pages `block_ids` (int64 [n], all valid) of one layer's view."""
+    view.k[block_ids] = qb.k
+    view.v[block_ids] = qb.v
+    if view.k_scale is not None:
+        view.k_scale[block_ids] = qb.k_scale
+        view.v_scale[block_ids] = qb.v_scale
+
+
+def dequantize(kq: torch.Tensor, vq: torch.Tensor, ks: torch.Tensor | None, vs: torch.Tensor | None,
+               fmt: str | KVFormat, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored parts of n blocks -> k, v [n, KVH, bs, D] in `dtype` (math in float32)."""
+    name = _fmt_name(fmt)
+    if name in ("fp32", "fp16", "bf16"):
+        return kq.to(dtype), vq.to(dtype)
+    if name in FP8_MAX:
+        k = kq.float() * ks.float()[:, :, None, None]
+        v = vq.float() * vs.float()[:, :, None, None]
+    elif name == "int8":
+        k = kq.float() * ks.float()[..., None]
+        v = vq.float() * vs.float()[..., None]
+    else:  # int4
+        k = _unpack_int4(kq) * ks[:, :, 0, None, :].float() + ks[:, :, 1, None, :].float()
+        n, H, bs, D = k.shape
+        g = _unpack_int4(vq).view(n, H, bs, D // INT4_GROUP, INT4_GROUP)
+        v = (g * vs[:, :, :, 0, :, None].float() + vs[:, :, :, 1, :, None].float()).view(n, H, bs, D)
+    return k.to(dtype), v.to(dtype)
+
+
+def dequantize_blocks(qb: QuantizedBlocks, fmt: str | KVFormat,
+                      dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """`QuantizedBlocks` -> k, v [n, KVH, bs, D]."""
+    return dequantize(qb.k, qb.v, qb.k_scale, qb.v_scale, fmt, dtype)
+
+
+def dequantize_layer(view: LayerView, block_ids: torch.Tensor, fmt: str | KVFormat,
+                     dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pages `block_ids` (int64 [n]) of one layer -> k, v [n, KVH, bs, D] in `dtype`."""
+    ks = view.k_scale[block_ids] if view.k_scale is not None else None
+    vs = view.v_scale[block_ids] if view.v_scale is not None else None
+    return dequantize(view.k[block_ids], view.v[block_ids], ks, vs, fmt, dtype)
