@@ -1,0 +1,139 @@
+"""Turns one step's logits into tokens, per-row sampling settings, batched where rows agree.
+
+Order (as vLLM): logprobs are taken from the raw logits; then penalties, min_tokens masking,
+temperature, top_k, top_p, min_p; greedy rows take the argmax of the penalized logits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from kvmesh.engine.outputs import TokenLogprob
+from kvmesh.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRow:
+    """One row of logits to sample from, and what shapes its distribution."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: Optional[torch.Generator]
+    banned_token_ids: tuple[int, ...] = ()
+    """Masked to -inf (EOS and stop ids while output is shorter than min_tokens)."""
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[Optional[TokenLogprob]]
+
+
+def _needs_processing(r: SampleRow) -> bool:
+    p = r.params
+    return bool(p.needs_penalties or r.banned_token_ids or p.logprobs is not None)
+
+
+def apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
+    """In place on one row [V]: repetition (prompt + output), presence and frequency (output)."""
+    p = row.params
+    V = logits.shape[-1]
+    dev = logits.device
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(row.prompt_token_ids + row.output_token_ids, dtype=torch.long, device=dev)
+        seen = seen.unique()
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and row.output_token_ids:
+        out = torch.tensor(row.output_token_ids, dtype=torch.long, device=dev)
+        counts = torch.bincount(out, minlength=V).to(logits.dtype)  # [V]
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature, top_k, top_p, min_p on one row [V]; returns probabilities [V]."""
+    logits = logits / p.temperature
+    if p.top_k > 0 and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        sp, idx = probs.sort(descending=True)
+        cum = sp.cumsum(-1)
+        drop = cum - sp > p.top_p  # keep the smallest set whose mass reaches top_p
+        sp = sp.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, idx, sp)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+def _top_logprobs(lp: torch.Tensor, chosen: torch.Tensor, k: int) -> list[TokenLogprob]:
+    """lp [N, V] log-probabilities, chosen [N] token ids -> per row TokenLogprob with k best."""
+    chosen_lp = lp.gather(1, chosen.view(-1, 1)).view(-1).tolist()
+    ids = chosen.tolist()
+    if k > 0:
+        tv, ti = lp.topk(k, dim=-1)
+        tv, ti = tv.tolist(), ti.tolist()
+    out = []
+    for i in range(len(ids)):
+        top = list(zip(ti[i], tv[i])) if k > 0 else []
+        out.append(TokenLogprob(ids[i], chosen_lp[i], top))
+    return out
+
+
+class Sampler:
+    """Holds the default generator for rows without their own seed."""
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+        """logits [N, V] float32, one row per entry of `rows`."""
+        N = len(rows)
+        # Fast path: a batch of plain greedy rows needs one argmax and no Python per row.
+        if all(r.params.temperature == 0.0 and not _needs_processing(r) for r in rows):
+            return SampleResult(logits.argmax(dim=-1).tolist(), [None] * N)
+
+        want_lp = [r.params.logprobs is not None for r in rows]
+        raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None  # [N, V]
+        logits = logits.clone()
+        for i, r in enumerate(rows):
+            if r.params.needs_penalties:
+                apply_penalties(logits[i], r)
+            if r.banned_token_ids:
+                logits[i, list(r.banned_token_ids)] = float("-inf")
+        chosen = torch.empty(N, dtype=torch.long, device=logits.device)
+        greedy = [i for i, r in enumerate(rows) if r.params.temperature == 0.0]
+        if greedy:
+            gi = torch.tensor(greedy, device=logits.device)
+            chosen[gi] = logits[gi].argmax(dim=-1)
+        for i, r in enumerate(rows):
+            if r.params.temperature == 0.0:
+                continue
+            probs = _filter(logits[i], r.params)
+            gen = r.generator if r.generator is not None else self.generator
+            chosen[i] = torch.multinomial(probs, 1, generator=gen)[0]
+
+        lps: list[Optional[TokenLogprob]] = [None] * N
+        if raw_lp is not None:
+            idx = [i for i in range(N) if want_lp[i]]
+            ks = {rows[i].params.logprobs for i in idx}
+            for k in ks:
+                sel = [i for i in idx if rows[i].params.logprobs == k]
+                si = torch.tensor(sel, device=logits.device)
+                for i, t in zip(sel, _top_logprobs(raw_lp[si], chosen[si], k)):
+                    lps[i] = t
+        return SampleResult(chosen.tolist(), lps)
+
+
+def prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int], k: int) -> list[TokenLogprob]:
+    """logits [n, V] at prompt positions p..p+n-1; next_token_ids = tokens p+1..p+n."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(next_token_ids, dtype=torch.long, device=logits.device)
+    return _top_logprobs(lp, ids, k)

@@ -1,0 +1,129 @@
+"""A sequence (one completion being generated) and the request that groups its n completions.
+
+The scheduler works on sequences; outputs are reported per request. KV state of a sequence is an
+opaque list of block ids from the KVCacheManager plus a residual slot for its partial tail block.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from kvmesh.engine.detokenizer import Detokenizer
+from kvmesh.engine.outputs import CompletionOutput, ResumeState, TokenLogprob
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.hashing import hash_block
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, seq_id: int, request: "Request", index: int, detok: Detokenizer,
+                 generator: Optional[torch.Generator]) -> None:
+        self.seq_id = seq_id
+        self.request = request
+        self.index = index
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        """Tokens whose K/V are in the cache (full pages + residual slot)."""
+        self.block_ids: list[int] = []
+        """Pages held for this sequence, in order (ref-counted by the KVCacheManager)."""
+        self.num_cached_blocks = 0
+        """Leading blocks of block_ids that are registered in the prefix cache."""
+        self.residual_slot: Optional[int] = None
+        self.status = Status.WAITING
+        self.generator = generator
+        self.detok = detok
+        self.logprobs: Optional[list[TokenLogprob]] = [] if request.params.logprobs is not None else None
+        self.finish_reason: Optional[str] = None
+        self.stop_reason: Optional[object] = None
+        self.num_preemptions = 0
+        self.resume_tail: Optional[tuple[int, bytes]] = None
+        """(tokens, bytes) to load into the residual slot when a resumed sequence starts."""
+        self.block_hashes: list[bytes] = []
+        """Chained hashes of every full block of token_ids (computed or not)."""
+        self._extend_hashes()
+
+    def _extend_hashes(self) -> None:
+        bs = self.request.block_size
+        parent = self.block_hashes[-1] if self.block_hashes else self.request.hash_seed
+        for b in range(len(self.block_hashes), len(self.token_ids) // bs):
+            parent = hash_block(parent, self.token_ids[b * bs:(b + 1) * bs])
+            self.block_hashes.append(parent)
+
+    def append_tokens(self, token_ids: list[int]) -> None:
+        self.token_ids.extend(token_ids)
+        if len(self.token_ids) // self.request.block_size > len(self.block_hashes):
+            self._extend_hashes()
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """Still computing tokens it already knows (prompt, or outputs after a recompute)."""
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    def completion(self) -> CompletionOutput:
+        finished = self.finish_reason is not None
+        return CompletionOutput(
+            index=self.index, text=self.detok.visible_text(finished),
+            token_ids=list(self.output_token_ids),
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    """Resolved: params.max_tokens or what --max-model-len leaves."""
+    block_size: int
+    hash_seed: bytes
+    """Seed of the block hash chain (model, KV dtype, block size, cache salt)."""
+    cache_salt: str = ""
+    export_kv: bool = False
+    resume: Optional[ResumeState] = None
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False
+    """True once the first sequence has been forked into n (after its prefill)."""
+    num_cached_tokens: int = 0
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+    error: Optional[str] = None
+    reserved_slots: list[int] = field(default_factory=list)
+    """Residual slots held for the n - 1 completions forked after prefill."""
+
+    @property
+    def finished(self) -> bool:
+        return (self.forked or self.params.n == 1) and all(s.is_finished for s in self.seqs)
+
+    @property
+    def skip_prefix_cache(self) -> bool:
+        """prompt_logprobs needs logits at every prompt position, so nothing may be served cached."""
+        return self.params.prompt_logprobs is not None
