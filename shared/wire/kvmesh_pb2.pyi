@@ -81,20 +81,34 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("blocks_held", "capacity_blocks", "blocks_evicted", "bytes_in", "bytes_out", "host_tier_blocks")
+    __slots__ = ("blocks_held", "capacity_blocks", "blocks_evicted", "bytes_in", "bytes_out", "host_tier_blocks", "host_tier_capacity_blocks", "blocks_demoted", "blocks_promoted", "blocks_rejected", "blocks_leased", "slot_bytes", "device")
     BLOCKS_HELD_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_EVICTED_FIELD_NUMBER: _ClassVar[int]
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     HOST_TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_DEMOTED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_PROMOTED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_LEASED_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     blocks_held: int
     capacity_blocks: int
     blocks_evicted: int
     bytes_in: int
     bytes_out: int
     host_tier_blocks: int
-    def __init__(self, blocks_held: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., blocks_evicted: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., host_tier_blocks: _Optional[int] = ...) -> None: ...
+    host_tier_capacity_blocks: int
+    blocks_demoted: int
+    blocks_promoted: int
+    blocks_rejected: int
+    blocks_leased: int
+    slot_bytes: int
+    device: str
+    def __init__(self, blocks_held: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., blocks_evicted: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., host_tier_blocks: _Optional[int] = ..., host_tier_capacity_blocks: _Optional[int] = ..., blocks_demoted: _Optional[int] = ..., blocks_promoted: _Optional[int] = ..., blocks_rejected: _Optional[int] = ..., blocks_leased: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "logprobs", "prompt_logprobs", "include_stop_str_in_output", "repetition_penalty")
