@@ -1,0 +1,146 @@
+"""Quantize -> dequantize of whole KV blocks: error bounds per dtype and exact layout properties."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmesh.kv.layout import BlockLayout
+from kvmesh.kv.pool import KVCache
+from kvmesh.kv.quant import dequantize_blocks, dequantize_layer, quantize_blocks, store_blocks
+
+torch.set_num_threads(1)
+N, BS, H, D = 5, 16, 3, 64
+
+
+def fresh(scale: float = 1.0, seed: int | None = None):
+    gen = torch.Generator()
+    gen.seed() if seed is None else gen.manual_seed(seed)
+    k = torch.randn(N, BS, H, D, generator=gen) * scale
+    v = torch.randn(N, BS, H, D, generator=gen) * scale
+    k[0, 3, 1, 7] = 40.0 * scale  # an outlier, as real keys have
+    return k, v
+
+
+def heads_major(x):
+    return x.transpose(1, 2)  # [n, bs, H, D] -> [n, H, bs, D]
+
+
+@pytest.mark.parametrize("name,dtype", [("fp32", torch.float32), ("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_plain_dtypes_are_casts(name, dtype):
+    k, v = fresh()
+    dk, dv = dequantize_blocks(quantize_blocks(k, v, name), name)
+    assert torch.equal(dk, heads_major(k).to(dtype).float())
+    assert torch.equal(dv, heads_major(v).to(dtype).float())
+
+
+@pytest.mark.parametrize("name,fmax,mant,sub", [("fp8_e4m3", 448.0, 3, 2.0 ** -9), ("fp8_e5m2", 57344.0, 2, 2.0 ** -16)])
+def test_fp8_per_head_scale_and_error(name, fmax, mant, sub):
+    k, v = fresh(scale=3.0)
+    qb = quantize_blocks(k, v, name)
+    for x, q, s in ((k, qb.k, qb.k_scale), (v, qb.v, qb.v_scale)):
+        x = heads_major(x)
+        want_s = x.abs().amax(dim=(2, 3)) / fmax  # [n, H]
+        assert torch.equal(s, want_s)
+        assert q.float().abs().amax(dim=(2, 3)).eq(fmax).all()  # the absmax element hits FMAX
+        deq = q.float() * s[:, :, None, None]
+        err = (deq - x).abs()
+        bound = x.abs() * 2.0 ** -(mant + 1) + s[:, :, None, None] * sub / 2 + 1e-7
+        assert (err <= bound).all(), (err - bound).max()
+    dk, _ = dequantize_blocks(qb, name)
+    assert torch.equal(dk, qb.k.float() * qb.k_scale[:, :, None, None])
+
+
+def test_int8_per_token_exact():
+    k, v = fresh()
+    qb = quantize_blocks(k, v, "int8")
+    for x, q, s in ((k, qb.k, qb.k_scale), (v, qb.v, qb.v_scale)):
+        x = heads_major(x)
+        assert q.dtype == torch.int8 and s.dtype == torch.float16 and s.shape == (N, H, BS)
+        want_s = (x.abs().amax(dim=3) / 127).to(torch.float16)
+        assert torch.equal(s, want_s)
+        want_q = torch.round(x / want_s.float()[..., None]).clamp(-127, 127).to(torch.int8)
+        assert torch.equal(q, want_q)
+        deq = q.float() * s.float()[..., None]  # q * s reproduces exactly what dequantize returns
+        assert ((deq - x).abs() <= s.float()[..., None] * 0.501 + 1e-7).all()
+        assert q.abs().amax(dim=3).ge(126).all()
+    dk, dv = dequantize_blocks(qb, "int8")
+    assert torch.equal(dk, qb.k.float() * qb.k_scale.float()[..., None])
+    assert torch.equal(dv, qb.v.float() * qb.v_scale.float()[..., None])
+
+
+def unpack(p):
+    return torch.stack(((p & 15), (p >> 4)), -1).flatten(-2).float()
+
+
+def test_int4_groups_error_and_packing():
+    k, v = fresh()
+    qb = quantize_blocks(k, v, "int4")
+    assert qb.k.shape == (N, H, BS, D // 2) and qb.k_scale.shape == (N, H, 2, D)
+    assert qb.v_scale.shape == (N, H, BS, 2, D // 32)
+    xk, xv = heads_major(k), heads_major(v)
+    # keys: one (scale, min) per channel over the block's tokens
+    s, m = qb.k_scale[:, :, 0].float(), qb.k_scale[:, :, 1].float()  # [n, H, D]
+    assert torch.equal(qb.k_scale[:, :, 1], xk.amin(dim=2).to(torch.float16))
+    assert torch.equal(qb.k_scale[:, :, 0], ((xk.amax(dim=2) - xk.amin(dim=2)) / 15).to(torch.float16))
+    q = unpack(qb.k)
+    assert q.max() <= 15 and q.min() >= 0
+    assert torch.equal(q, torch.round((xk - m[:, :, None]) / s[:, :, None]).clamp(0, 15))
+    err = (q * s[:, :, None] + m[:, :, None] - xk).abs()
+    assert (err <= s[:, :, None] * 0.51 + m.abs()[:, :, None] * 2 ** -10 + 1e-6).all()
+    # values: per token, groups of 32 channels
+    g = xv.reshape(N, H, BS, D // 32, 32)
+    sv, mv = qb.v_scale[:, :, :, 0].float(), qb.v_scale[:, :, :, 1].float()  # [n, H, bs, G]
+    assert torch.equal(qb.v_scale[:, :, :, 1], g.amin(-1).to(torch.float16))
+    qv = unpack(qb.v).view(N, H, BS, D // 32, 32)
+    err = (qv * sv[..., None] + mv[..., None] - g).abs()
+    assert (err <= sv[..., None] * 0.51 + mv.abs()[..., None] * 2 ** -10 + 1e-6).all()
+    dk, dv = dequantize_blocks(qb, "int4")
+    assert torch.equal(dk, q * s[:, :, None] + m[:, :, None])
+    assert torch.equal(dv, (qv * sv[..., None] + mv[..., None]).view(N, H, BS, D))
+
+
+def test_int4_low_nibble_is_even_channel():
+    k = torch.zeros(1, BS, 1, D)
+    k[0, 0, 0, :] = torch.arange(D) % 2 * 15.0  # channel parity 0 -> 0, 1 -> 15 at token 0
+    k[0, 1, 0, :] = 15.0 - k[0, 0, 0, :]  # token 1 the opposite, so every channel spans 0..15
+    qb = quantize_blocks(k, k.clone(), "int4")
+    assert qb.k[0, 0, 0].tolist() == [0xF0] * (D // 2)
+    assert qb.k[0, 0, 1].tolist() == [0x0F] * (D // 2)
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "int8", "int4"])
+def test_zero_and_tiny_blocks_stay_finite(name):
+    k = torch.zeros(2, BS, H, D)
+    k[1] = 1e-9
+    dk, dv = dequantize_blocks(quantize_blocks(k, k.clone(), name), name)
+    assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
+    assert dk[0].abs().max() == 0 and dv[0].abs().max() == 0
+    assert (dk[1] - 1e-9).abs().max() < 1e-7
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16", "fp32", "fp8_e4m3", "fp8_e5m2", "int8", "int4"])
+def test_pages_round_trip_through_layer_views(name):
+    k, v = fresh()
+    layout = BlockLayout(3, H, D, BS, name)
+    cache = KVCache(layout, 9, 1, torch.float32)
+    cache.pool.random_(0, 256)  # garbage everywhere else must not leak in
+    ids = torch.tensor([8, 0, 3, 5, 1])
+    qb = quantize_blocks(k, v, name)
+    before = cache.pool.clone()
+    store_blocks(cache.layer_view(2), ids, qb)
+    dk, dv = dequantize_layer(cache.layer_view(2), ids, name)
+    wk, wv = dequantize_blocks(qb, name)
+    assert torch.equal(dk, wk) and torch.equal(dv, wv)
+    # other layers and pages untouched
+    lb = layout.layer_bytes
+    assert torch.equal(cache.pool.view(9, 3, lb)[:, :2], before.view(9, 3, lb)[:, :2])
+    others = [i for i in range(9) if i not in ids.tolist()]
+    assert torch.equal(cache.pool[others], before[others])
+
+
+def test_bad_dtype_and_shapes_name_the_problem():
+    k, v = fresh()
+    with pytest.raises(ValueError, match="kv dtype"):
+        quantize_blocks(k, v, "fp8")
+    with pytest.raises(ValueError, match=r"\[n, bs, KVH, D\]"):
+        quantize_blocks(k, v[:, :8], "int8")
