@@ -1,0 +1,196 @@
+"""The decode worker: pulls a request's blocks by handle, generates, streams tokens back.
+
+One Generate call:
+ 1. pulls the prompt's blocks (the prefill reply's handles, or with do_prefill the gateway's cached
+    prefix) from the kvstore into the local pool as raw pages (no re-quantization), leased in flight;
+ 2. resumes from the prefill reply (first token + full-precision tail) or prefills itself;
+ 3. streams GenerateChunk deltas. The stream carries the *whole* completion: when resuming, the
+    first chunk repeats the prefill worker's first token, so callers forward one stream either way;
+ 4. on finish, puts the newly filled full blocks (prompt tail + generated text) to the kvstore and
+    publishes, so the next turn of the conversation hits on any worker. The put runs to completion
+    even when the caller stops reading after the last chunk.
+A cancelled stream closes the engine iterator, which aborts the request and frees its blocks at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from typing import Any, AsyncIterator, Optional
+
+import grpc
+from opentelemetry import trace
+
+from kvmesh.block_transfer import BlockTransfer
+from kvmesh.decode.config import DecodeConfig
+from kvmesh.telemetry import Metrics, server_span
+from kvmesh.wire import convert
+from kvmesh.wire import kvmesh_pb2 as pb
+from kvmesh.wire import kvmesh_pb2_grpc as pb_grpc
+from kvmesh.worker_runtime import WorkerRuntime
+
+log = logging.getLogger(__name__)
+
+
+def _check_prefilled(request: pb.GenerateRequest, block_size: int) -> None:
+    """The prefill reply must describe exactly this prompt: ValueError names the bad field."""
+    p = request.prefilled
+    n = len(request.prompt_token_ids)
+    if len(p.blocks) != n // block_size:
+        raise ValueError(f"prefilled.blocks has {len(p.blocks)} blocks; a {n}-token prompt has "
+                         f"{n // block_size} full blocks of {block_size}")
+    if p.tail.num_tokens != n % block_size:
+        raise ValueError(f"prefilled.tail.num_tokens is {p.tail.num_tokens}, expected {n % block_size}")
+
+
+class DecodeServicer(pb_grpc.DecodeServicer):
+    def __init__(self, runtime: WorkerRuntime, transfer: BlockTransfer, tracer: trace.Tracer) -> None:
+        self.runtime = runtime
+        self.engine = runtime.engine
+        self.transfer = transfer
+        self.tracer = tracer
+        self.metrics = runtime.metrics
+        self._ids = itertools.count()
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+        with server_span(self.tracer, "kvmesh.decode/Generate", context) as span:
+            start = time.perf_counter()
+            block_size = self.transfer.layout.block_size
+            prompt = list(request.prompt_token_ids)
+            rid = request.request_id or f"decode-{next(self._ids)}"
+            resuming = not request.do_prefill
+            try:
+                params = convert.sampling_from_proto(request.sampling)
+                if resuming:
+                    if not request.HasField("prefilled"):
+                        raise ValueError("prefilled: required unless do_prefill is set")
+                    _check_prefilled(request, block_size)
+                    refs = convert.block_refs_from_proto(request.prefilled.blocks)
+                else:
+                    refs = convert.block_refs_from_proto(request.cached_blocks)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            span.set_attribute("kvmesh.request_id", rid)
+            span.set_attribute("kvmesh.prompt_tokens", len(prompt))
+            span.set_attribute("kvmesh.do_prefill", not resuming)
+
+            if resuming and request.prefilled.finish_reason:
+                # The first token already ended the request: nothing to generate.
+                yield self._finished_at_first(request)
+                return
+
+            pulled = await self.transfer.pull(self.engine, [r.hash for r in refs], request.cache_salt,
+                                              local=await self.runtime.local_blocks())
+            span.set_attribute("kvmesh.pulled_blocks", len(pulled.imported))
+            span.set_attribute("kvmesh.missing_blocks", pulled.missing)
+            resume = convert.resume_from_prefill(request.prefilled, params.logprobs is not None) if resuming else None
+
+            sent_tokens, sent_text, last_token_at = 0, "", None
+            final = None
+            try:
+                async with contextlib.aclosing(self.engine.generate(
+                        rid, prompt, params, cache_salt=request.cache_salt, export_kv=True,
+                        resume=resume)) as stream:
+                    async for out in stream:
+                        final = out
+                        if getattr(out, "error", None):
+                            await context.abort(grpc.StatusCode.INTERNAL, f"request {rid} failed: {out.error}")
+                        comp = out.outputs[0]
+                        new_ids = comp.token_ids[sent_tokens:]
+                        if not new_ids and not comp.finish_reason:
+                            continue
+                        now = time.perf_counter()
+                        if last_token_at is None:
+                            if not resuming:
+                                self.metrics.time_to_first_token_seconds.observe(now - start)
+                        elif new_ids:
+                            self.metrics.inter_token_latency_seconds.observe((now - last_token_at) / len(new_ids))
+                        last_token_at = now
+                        chunk = pb.GenerateChunk(
+                            token_ids=new_ids, text=comp.text[len(sent_text):],
+                            logprobs=convert.logprobs_to_proto((comp.logprobs or [])[sent_tokens:]),
+                            finish_reason=comp.finish_reason or "",
+                            num_prompt_tokens=len(prompt),
+                            num_cached_tokens=self._cached_tokens(request, out))
+                        if sent_tokens == 0:
+                            chunk.prompt_logprobs.extend(
+                                request.prefilled.prompt_logprobs if resuming
+                                else convert.prompt_logprobs_to_proto(out.prompt_logprobs))
+                        sent_tokens, sent_text = len(comp.token_ids), comp.text
+                        yield chunk
+            except ValueError as e:  # bad prompt/params for this engine (e.g. too long for --max-model-len)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            self.metrics.e2e_request_latency_seconds.observe(time.perf_counter() - start)
+            span.set_attribute("kvmesh.generated_tokens", sent_tokens)
+            if final is not None and final.kv_export is not None:
+                known = {r.hash for r in refs} | set(pulled.imported)
+                # Shielded: a caller that hangs up after the last chunk must not lose the blocks.
+                await asyncio.shield(self.runtime.spawn(self._push(final.kv_export.blocks, known)))
+
+    async def _push(self, blocks: list, known: set[bytes]) -> None:
+        try:
+            await self.transfer.push(blocks, known=known)
+            await self.runtime.publish_events()
+        except Exception:  # advisory: the next turn recomputes what did not land
+            log.exception("decode: putting finished blocks to the kvstore failed")
+
+    @staticmethod
+    def _cached_tokens(request: pb.GenerateRequest, out: Any) -> int:
+        # When resuming, what the user was served from cache is what the prefill worker found.
+        return request.prefilled.num_cached_tokens if not request.do_prefill else out.num_cached_tokens
+
+    @staticmethod
+    def _finished_at_first(request: pb.GenerateRequest) -> pb.GenerateChunk:
+        p = request.prefilled
+        chunk = pb.GenerateChunk(token_ids=[p.first_token], text=p.first_text, finish_reason=p.finish_reason,
+                                 num_prompt_tokens=len(request.prompt_token_ids),
+                                 num_cached_tokens=p.num_cached_tokens)
+        if request.sampling.HasField("logprobs") and p.HasField("first_logprob"):
+            chunk.logprobs.append(p.first_logprob)
+        chunk.prompt_logprobs.extend(p.prompt_logprobs)
+        return chunk
+
+
+class DecodeWorker:
+    """A decode worker with its dependencies passed in (serve() builds the real ones)."""
+
+    def __init__(self, cfg: DecodeConfig, engine: Any, kvstore: Any, index: Any,
+                 metrics: Optional[Metrics] = None, tracer: Optional[trace.Tracer] = None) -> None:
+        self.runtime = WorkerRuntime(cfg, "decode", engine, index, metrics)
+        llm = engine.engine
+        self.transfer = BlockTransfer(kvstore, llm.layout, llm.model_id, self.runtime.holder, cfg.lease_seconds)
+        self.servicer = DecodeServicer(self.runtime, self.transfer, tracer or trace.get_tracer("kvmesh.decode"))
+        self.runtime.add_servicer(lambda s: pb_grpc.add_DecodeServicer_to_server(self.servicer, s))
+
+    @property
+    def address(self) -> str:
+        return self.runtime.address
+
+    async def start(self) -> None:
+        await self.runtime.start()
+
+    async def stop(self, grace: float = 2.0) -> None:
+        await self.runtime.stop(grace)
+
+
+async def serve(cfg: DecodeConfig) -> None:
+    """Runs a decode worker until cancelled (kvmesh decode ...)."""
+    from kvmesh.engine.async_engine import AsyncEngine
+    from kvmesh.engine.engine import LLMEngine
+    from kvmesh.index import make_index
+    from kvmesh.kvstore.client import GrpcKVStoreClient
+
+    engine = AsyncEngine(await asyncio.to_thread(LLMEngine, cfg.engine))
+    kvstore = GrpcKVStoreClient(list(cfg.kvstore))
+    index = make_index(cfg.redis_url)
+    worker = DecodeWorker(cfg, engine, kvstore, index)
+    try:
+        await worker.start()
+        await worker.runtime.wait()
+    finally:
+        await worker.stop()
+        await kvstore.close()
+        await index.close()

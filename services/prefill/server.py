@@ -1,0 +1,151 @@
+"""The prefill worker: computes a prompt's KV and hands the first token and the block handles on.
+
+One Prefill call:
+ 1. pulls the cached prefix blocks the gateway named (those not already in the local prefix cache)
+    from the kvstore into the engine, leased while in flight;
+ 2. runs the prompt with max_tokens=1 and export_kv=True (the engine batches concurrent prefills by
+    continuous batching, in chunks); a block that vanished on the way is simply recomputed;
+ 3. puts the full blocks the kvstore lacks, so the decode worker can pull them;
+ 4. replies with the first token, every prompt block's handle (node = its rendezvous owner) and the
+    partial last block in full precision.
+Local prefix-cache events are published to the index under this worker's address all along.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import time
+from typing import Any, Optional
+
+import grpc
+from opentelemetry import trace
+
+from kvmesh.block_transfer import BlockTransfer
+from kvmesh.kvstore.client import node_for
+from kvmesh.prefill.config import PrefillConfig
+from kvmesh.telemetry import Metrics, server_span
+from kvmesh.wire import convert
+from kvmesh.wire import kvmesh_pb2 as pb
+from kvmesh.wire import kvmesh_pb2_grpc as pb_grpc
+from kvmesh.worker_runtime import WorkerRuntime
+
+log = logging.getLogger(__name__)
+
+
+class PrefillServicer(pb_grpc.PrefillServicer):
+    def __init__(self, runtime: WorkerRuntime, transfer: BlockTransfer, nodes: list[str],
+                 tracer: trace.Tracer) -> None:
+        self.runtime = runtime
+        self.engine = runtime.engine
+        self.transfer = transfer
+        self.nodes = nodes
+        self.tracer = tracer
+        self.metrics = runtime.metrics
+        self._ids = itertools.count()
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillReply:
+        with server_span(self.tracer, "kvmesh.prefill/Prefill", context) as span:
+            start = time.perf_counter()
+            try:
+                params = convert.sampling_from_proto(request.sampling)
+                refs = convert.block_refs_from_proto(request.cached_blocks)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            prompt = list(request.prompt_token_ids)
+            rid = request.request_id or f"prefill-{next(self._ids)}"
+            span.set_attribute("kvmesh.request_id", rid)
+            span.set_attribute("kvmesh.prompt_tokens", len(prompt))
+            span.set_attribute("kvmesh.cached_blocks", len(refs))
+
+            pulled = await self.transfer.pull(self.engine, [r.hash for r in refs], request.cache_salt,
+                                              local=await self.runtime.local_blocks())
+            span.set_attribute("kvmesh.pulled_blocks", len(pulled.imported))
+            span.set_attribute("kvmesh.missing_blocks", pulled.missing)
+
+            # Only the first token is sampled here; min_tokens > 1 is the decode worker's business.
+            first_params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+            final = None
+            try:
+                async with contextlib.aclosing(self.engine.generate(
+                        rid, prompt, first_params, cache_salt=request.cache_salt, export_kv=True)) as stream:
+                    async for out in stream:
+                        final = out
+            except ValueError as e:  # bad prompt (empty, too long for --max-model-len, ...)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            if final is None or getattr(final, "error", None) or final.kv_export is None:
+                why = getattr(final, "error", None) or "engine returned no KV export"
+                await context.abort(grpc.StatusCode.INTERNAL, f"prefill of {rid} failed: {why}")
+            ttft = time.perf_counter() - start
+            self.metrics.time_to_first_token_seconds.observe(ttft)
+
+            export = final.kv_export
+            known = {r.hash for r in refs} | set(pulled.imported)
+            # The decode worker pulls these next: they must be in the store before the reply.
+            pushed = await self.transfer.push(export.blocks, known=known)
+            span.set_attribute("kvmesh.pushed_blocks", pushed.stored)
+            await self.runtime.publish_events()
+
+            comp = final.outputs[0]
+            finish = ""
+            if comp.finish_reason == "stop" or (comp.finish_reason and params.max_tokens == 1):
+                finish = comp.finish_reason
+            reply = pb.PrefillReply(
+                first_token=comp.token_ids[0], first_text=comp.text,
+                blocks=convert.block_refs_to_proto(
+                    convert.BlockRef(b.hash, node_for(b.hash, self.nodes)) for b in export.blocks),
+                tail=convert.tail_to_proto(convert.tail_from_export(export)),
+                num_cached_tokens=final.num_cached_tokens,
+                prompt_logprobs=convert.prompt_logprobs_to_proto(final.prompt_logprobs),
+                finish_reason=finish)
+            if comp.logprobs:
+                reply.first_logprob.CopyFrom(convert.logprob_to_proto(comp.logprobs[0]))
+            span.set_attribute("kvmesh.cached_tokens", final.num_cached_tokens)
+            if finish:
+                self.metrics.e2e_request_latency_seconds.observe(time.perf_counter() - start)
+            return reply
+
+
+class PrefillWorker:
+    """A prefill worker with its dependencies passed in (serve() builds the real ones)."""
+
+    def __init__(self, cfg: PrefillConfig, engine: Any, kvstore: Any, index: Any,
+                 metrics: Optional[Metrics] = None, tracer: Optional[trace.Tracer] = None) -> None:
+        self.runtime = WorkerRuntime(cfg, "prefill", engine, index, metrics)
+        llm = engine.engine
+        self.transfer = BlockTransfer(kvstore, llm.layout, llm.model_id, self.runtime.holder, cfg.lease_seconds)
+        self.servicer = PrefillServicer(self.runtime, self.transfer, list(cfg.kvstore),
+                                        tracer or trace.get_tracer("kvmesh.prefill"))
+        self.runtime.add_servicer(lambda s: pb_grpc.add_PrefillServicer_to_server(self.servicer, s))
+
+    @property
+    def address(self) -> str:
+        return self.runtime.address
+
+    async def start(self) -> None:
+        await self.runtime.start()
+
+    async def stop(self, grace: float = 2.0) -> None:
+        await self.runtime.stop(grace)
+
+
+async def serve(cfg: PrefillConfig) -> None:
+    """Runs a prefill worker until cancelled (kvmesh prefill ...)."""
+    from kvmesh.engine.async_engine import AsyncEngine
+    from kvmesh.engine.engine import LLMEngine
+    from kvmesh.index import make_index
+    from kvmesh.kvstore.client import GrpcKVStoreClient
+
+    engine = AsyncEngine(await asyncio.to_thread(LLMEngine, cfg.engine))
+    kvstore = GrpcKVStoreClient(list(cfg.kvstore))
+    index = make_index(cfg.redis_url)
+    worker = PrefillWorker(cfg, engine, kvstore, index)
+    try:
+        await worker.start()
+        await worker.runtime.wait()
+    finally:
+        await worker.stop()
+        await kvstore.close()
+        await index.close()

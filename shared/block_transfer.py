@@ -1,0 +1,96 @@
+"""Moves KV pages between the kvstore and a worker's local engine, byte for byte (never re-quantized).
+
+    pull: kvstore Get (leased while in flight) -> AsyncEngine.import_blocks -> kvstore Release
+    push: the engine's KVExport blocks the store lacks -> kvstore Put
+
+Used by the prefill and decode workers. It sits at the services layer (it speaks to the kvstore
+client), but lives in `kvmesh` because two services share it and a service imports no other service.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Collection, Sequence
+
+from kvmesh.engine.outputs import ExportedBlock
+from kvmesh.kv.layout import BlockLayout
+from kvmesh.kvstore.block import StoredBlock
+
+
+def layout_id(model_id: str, layout: BlockLayout) -> str:
+    """What must match for a stored page to be readable here (the store checks nothing inside it)."""
+    return (f"{model_id}|{layout.kv_dtype}|bs{layout.block_size}|L{layout.num_layers}"
+            f"|H{layout.kv_heads}|D{layout.head_dim}")
+
+
+@dataclass(frozen=True)
+class PullResult:
+    imported: list[bytes]
+    """Hashes fetched from the kvstore and imported into the local prefix cache, in order."""
+    missing: int
+    """Requested blocks the store no longer had (or had in another layout): they get recomputed."""
+    nbytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class PushResult:
+    stored: int
+    """Blocks sent to the kvstore."""
+    nbytes: int
+    seconds: float
+
+
+class BlockTransfer:
+    """One worker's path to the kvstore: pulls prefixes into its engine, pushes what it computed."""
+
+    def __init__(self, kvstore: Any, layout: BlockLayout, model_id: str, holder: str,
+                 lease_seconds: float) -> None:
+        self.kvstore = kvstore  # kvmesh.kvstore.client.KVStoreClient
+        self.layout = layout
+        self.layout_id = layout_id(model_id, layout)
+        self.holder = holder
+        self.lease_seconds = lease_seconds
+
+    async def pull(self, engine: Any, hashes: Sequence[bytes], cache_salt: str = "",
+                   local: Collection[bytes] = ()) -> PullResult:
+        """Imports the longest prefix of `hashes` available locally or in the kvstore into `engine`
+        (an AsyncEngine). Blocks in `local` (already in the engine's prefix cache) are not fetched.
+        A block the store lacks ends the prefix: the engine recomputes from there."""
+        start = time.perf_counter()
+        want = [h for h in hashes if h not in local]
+        if not want:
+            return PullResult([], 0, 0, 0.0)
+        got = await self.kvstore.get(want, lease_holder=self.holder, lease_seconds=self.lease_seconds)
+        try:
+            usable: list[ExportedBlock] = []
+            for h, blk in zip(want, got):
+                if blk is None or blk.layout != self.layout_id or len(blk.data) != self.layout.block_bytes:
+                    break
+                usable.append(ExportedBlock(hash=h, token_ids=list(blk.token_ids), data=blk.data))
+            # Everything before the first gap is a contiguous chain together with the local blocks.
+            chain_end = len(usable)
+            if usable:
+                await engine.import_blocks(usable, cache_salt)
+        finally:
+            leased = [h for h, blk in zip(want, got) if blk is not None]
+            if leased:
+                await self.kvstore.release(leased, self.holder)
+        nbytes = sum(len(b.data) for b in usable)
+        return PullResult([b.hash for b in usable], len(want) - chain_end, nbytes,
+                          time.perf_counter() - start)
+
+    async def push(self, blocks: Sequence[ExportedBlock], known: Collection[bytes] = ()) -> PushResult:
+        """Puts `blocks` the kvstore lacks; `known` are hashes already known to be there (skipped
+        without asking). Returns what was sent."""
+        start = time.perf_counter()
+        todo = [b for b in blocks if b.hash not in known]
+        if todo:
+            present = await self.kvstore.contains([b.hash for b in todo])
+            todo = [b for b, p in zip(todo, present) if not p]
+        if not todo:
+            return PushResult(0, 0, time.perf_counter() - start)
+        stored = [StoredBlock(hash=b.hash, token_ids=list(b.token_ids), data=b.data, layout=self.layout_id)
+                  for b in todo]
+        await self.kvstore.put(stored)
+        return PushResult(len(stored), sum(len(b.data) for b in todo), time.perf_counter() - start)

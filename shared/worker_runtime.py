@@ -1,0 +1,132 @@
+"""The process shell shared by the prefill and decode workers: a grpc.aio server with health checking,
+the engine's background loop, the prefix-cache event publisher and the /metrics endpoint.
+
+A role's servicer is built with the runtime's `holder` name and `local_blocks()`, then registered;
+`start()` opens the port. Dependencies (engine, index, metrics) come in through the constructor so
+tests can share one in-memory index between workers.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any, Callable, Optional
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvmesh.telemetry import Metrics, MetricsServer, start_metrics_server
+from kvmesh.worker_config import WorkerConfig
+
+log = logging.getLogger(__name__)
+
+# Prefill replies and Generate requests carry a full-precision tail block; pages travel on kvstore
+# streams, but keep room for big models' tails (70B fp16 tail: 80 * 2 * 8 * 16 * 128 * 2 = 5 MiB).
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+SERVER_OPTIONS = (("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                  ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES))
+
+
+class WorkerRuntime:
+    def __init__(self, cfg: WorkerConfig, role: str, engine: Any, index: Any,
+                 metrics: Optional[Metrics] = None) -> None:
+        self.cfg = cfg
+        self.role = role
+        self.engine = engine  # kvmesh.engine.async_engine.AsyncEngine
+        self.index = index    # kvmesh.index.PrefixIndex
+        self.metrics = metrics or Metrics(model_name=cfg.engine.model, role=role)
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if self.port == 0:
+            raise RuntimeError(f"--port: could not bind {cfg.host}:{cfg.port}")
+        self.holder = cfg.holder(self.port)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._held: set[bytes] = set()
+        self._publish_lock = asyncio.Lock()
+        self._publisher: Optional[asyncio.Task] = None
+        self._metrics_server: Optional[MetricsServer] = None
+        self._background: set[asyncio.Task] = set()
+
+    @property
+    def address(self) -> str:
+        return self.holder
+
+    @property
+    def metrics_port(self) -> Optional[int]:
+        return self._metrics_server.port if self._metrics_server else None
+
+    def add_servicer(self, register: Callable[[grpc.aio.Server], None]) -> None:
+        register(self.server)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.engine.start()
+        await self.server.start()
+        await self._set_status(health_pb2.HealthCheckResponse.SERVING)
+        self._publisher = asyncio.create_task(self._publish_loop(), name=f"{self.role}-publisher")
+        if self.cfg.metrics_port is not None:
+            self._metrics_server = await start_metrics_server(self.metrics, self.cfg.host, self.cfg.metrics_port)
+        log.info("%s worker serving on %s (holder %s)", self.role, self.port, self.holder)
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+    async def stop(self, grace: float = 2.0) -> None:
+        """Stop accepting calls, let running ones finish for `grace` seconds, then tear down."""
+        await self._set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(grace)
+        if self._background:
+            await asyncio.wait(self._background, timeout=grace)
+        if self._publisher is not None:
+            self._publisher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._publisher
+        with contextlib.suppress(Exception):  # the index may already be gone; entries expire anyway
+            await self.index.drop_holder(self.holder)
+        if self._metrics_server is not None:
+            await self._metrics_server.close()
+        await self.engine.stop()
+
+    async def _set_status(self, status: int) -> None:
+        await self.health.set("", status)
+
+    def spawn(self, coro) -> asyncio.Task:
+        """Run `coro` to completion even if the RPC that started it is cancelled (stop waits for it)."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    # -- prefix-cache events --------------------------------------------------------------------
+    async def local_blocks(self) -> set[bytes]:
+        """Hashes in this worker's local prefix cache, up to date as of now (drains events)."""
+        await self.publish_events()
+        return self._held
+
+    async def publish_events(self) -> None:
+        """Drain the engine's stored/removed events, track them, publish them under `holder`."""
+        async with self._publish_lock:
+            events = self.engine.engine.drain_kv_events()
+            stored: list[bytes] = []
+            removed: list[bytes] = []
+            for kind, h in events:
+                if kind == "stored":
+                    self._held.add(h)
+                    stored.append(h)
+                else:
+                    self._held.discard(h)
+                    removed.append(h)
+            if stored or removed:
+                await self.index.publish(self.holder, stored, removed)
+
+    async def _publish_loop(self) -> None:
+        while True:
+            try:
+                await self.publish_events()
+                self.metrics.update_from_engine_stats(self.engine.engine.stats())
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the index is advisory: log and keep serving
+                log.exception("%s: publishing prefix-cache events failed", self.role)
+            await asyncio.sleep(self.cfg.publish_interval)

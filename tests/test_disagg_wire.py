@@ -1,0 +1,124 @@
+"""Worker flags and proto <-> engine conversions (no model, no network: fast)."""
+from __future__ import annotations
+
+import argparse
+import math
+import random
+
+import pytest
+
+from kvmesh.decode import config as decode_config
+from kvmesh.engine.outputs import KVExport, TokenLogprob
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine_args import parse_bytes
+from kvmesh.prefill import config as prefill_config
+from kvmesh.wire import convert
+from kvmesh.wire import kvmesh_pb2 as pb
+
+
+def _parse(module, argv):
+    p = argparse.ArgumentParser()
+    module.add_cli_args(p)
+    return module.from_args(p.parse_args(argv))
+
+
+def test_worker_flags_build_engine_config():
+    cfg = _parse(decode_config, ["--kvstore", "a:1,b:2", "--kvstore", "c:3", "--kv-cache-dtype", "fp8",
+                                 "--block-size", "32", "--kv-cache-memory", "64M", "--no-enable-prefix-caching",
+                                 "--index-url", "redis://localhost:6379", "--max-num-seqs", "7",
+                                 "--port", "0", "--metrics-port", "0"])
+    assert cfg.kvstore == ("a:1", "b:2", "c:3")
+    assert cfg.engine.cache.kv_cache_dtype == "fp8"
+    assert cfg.engine.cache.block_size == 32
+    assert cfg.engine.cache.kv_cache_memory == 64 << 20
+    assert cfg.engine.cache.enable_prefix_caching is False
+    assert cfg.engine.scheduler.max_num_seqs == 7
+    assert cfg.redis_url == "redis://localhost:6379"
+    assert cfg.holder(4321) == "127.0.0.1:4321"
+    pcfg = _parse(prefill_config, ["--kvstore", "k:9", "--host", "0.0.0.0", "--advertise-address", "pf:70"])
+    assert pcfg.port == prefill_config.DEFAULT_PORT and pcfg.holder(1) == "pf:70"
+    assert pcfg.engine.cache.enable_prefix_caching is True
+
+
+@pytest.mark.parametrize("argv, flag", [
+    ([], "--kvstore"),
+    (["--kvstore", "nohost"], "--kvstore"),
+    (["--kvstore", "a:1", "--port", "70000"], "--port"),
+    (["--kvstore", "a:1", "--block-size", "12"], "--block-size"),
+    (["--kvstore", "a:1", "--lease-seconds", "0"], "--lease-seconds"),
+    (["--kvstore", "a:1", "--advertise-address", "x"], "--advertise-address"),
+])
+def test_bad_worker_flags_name_the_flag(argv, flag):
+    with pytest.raises(ValueError, match=flag):
+        _parse(prefill_config, argv)
+
+
+def test_parse_bytes():
+    assert parse_bytes("1536") == 1536
+    assert parse_bytes("512M") == 512 << 20
+    assert parse_bytes("1.5GiB") == 3 << 29
+    with pytest.raises(argparse.ArgumentTypeError, match="--kv-cache-memory"):
+        parse_bytes("lots")
+
+
+def test_sampling_params_round_trip():
+    rng = random.Random()
+    for _ in range(20):
+        max_tokens = rng.choice([None, rng.randint(1, 500)])
+        p = SamplingParams(
+            temperature=rng.choice([0.0, 0.5, 1.25]), top_p=rng.choice([1.0, 0.5]), top_k=rng.choice([-1, 5]),
+            min_p=rng.choice([0.0, 0.25]), seed=rng.choice([None, rng.randint(0, 2**40)]),
+            max_tokens=max_tokens, min_tokens=rng.randint(0, max_tokens or 3),
+            stop=rng.choice([None, ["\n", "END"]]), stop_token_ids=rng.choice([None, [2, 7]]),
+            ignore_eos=rng.random() < 0.5, presence_penalty=rng.choice([0.0, 0.5]),
+            frequency_penalty=rng.choice([0.0, -0.5]), repetition_penalty=rng.choice([1.0, 1.25]),
+            logprobs=rng.choice([None, 0, 5]), prompt_logprobs=rng.choice([None, 0, 3]),
+            include_stop_str_in_output=rng.random() < 0.5)
+        wire = pb.SamplingParams.FromString(convert.sampling_to_proto(p).SerializeToString())
+        assert convert.sampling_from_proto(wire) == p
+
+
+def test_sampling_params_from_proto_validates():
+    with pytest.raises(ValueError, match="temperature"):
+        convert.sampling_from_proto(pb.SamplingParams(temperature=-1.0))
+    with pytest.raises(ValueError, match="n must be 1"):
+        convert.sampling_to_proto(SamplingParams(n=2))
+    # Zero-valued proto fields that cannot be meant literally read as the defaults.
+    p = convert.sampling_from_proto(pb.SamplingParams())
+    assert (p.temperature, p.top_p, p.repetition_penalty, p.max_tokens, p.logprobs) == (0.0, 1.0, 1.0, None, None)
+
+
+def test_logprobs_round_trip():
+    rng = random.Random()
+    lps = [TokenLogprob(rng.randrange(49152), -rng.random() * 10,
+                        [(rng.randrange(49152), -rng.random()) for _ in range(rng.randint(0, 4))])
+           for _ in range(6)]
+    back = convert.logprobs_from_proto(convert.logprobs_to_proto(lps))
+    assert [b.token_id for b in back] == [a.token_id for a in lps]
+    for a, b in zip(lps, back):
+        assert math.isclose(a.logprob, b.logprob, rel_tol=1e-6)  # float32 on the wire
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    prompt = [None] + lps
+    got = convert.prompt_logprobs_from_proto(convert.prompt_logprobs_to_proto(prompt))
+    assert got[0] is None and [g.token_id for g in got[1:]] == [a.token_id for a in lps]
+    assert convert.prompt_logprobs_from_proto([]) is None
+    with pytest.raises(ValueError, match=r"prompt_logprobs\[2\]"):
+        convert.prompt_logprobs_to_proto([None, lps[0], None])
+
+
+def test_blocks_tail_and_resume():
+    rng = random.Random()
+    refs = [convert.BlockRef(rng.randbytes(32), f"n{i}:1") for i in range(3)]
+    assert convert.block_refs_from_proto(convert.block_refs_to_proto(refs)) == refs
+    with pytest.raises(ValueError, match=r"cached_blocks\[0\].hash"):
+        convert.block_refs_from_proto([pb.BlockRef(hash=b"short")])
+    tail = rng.randbytes(512)
+    export = KVExport(blocks=[], tail_tokens=5, tail=tail, tail_dtype="fp32")
+    t = convert.tail_from_export(export)
+    assert convert.tail_from_proto(convert.tail_to_proto(t)) == t
+    reply = pb.PrefillReply(first_token=42, tail=convert.tail_to_proto(t),
+                            first_logprob=pb.TokenLogprob(token_id=42, logprob=-0.5))
+    r = convert.resume_from_prefill(reply, want_logprobs=True)
+    assert (r.output_token_ids, r.tail_tokens, r.tail) == ([42], 5, tail)
+    assert r.output_logprobs[0].token_id == 42
+    assert convert.resume_from_prefill(reply, want_logprobs=False).output_logprobs is None
