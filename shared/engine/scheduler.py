@@ -127,14 +127,15 @@ class Scheduler:
         bs = self.limits.block_size
         req = seq.request
         hits: list[int] = []
-        use_cache = self.limits.enable_prefix_caching and not req.skip_prefix_cache
+        resumed = seq.resume_tail is not None
+        # A resumed sequence reads its imported blocks through the cache even when caching is off.
+        use_cache = (self.limits.enable_prefix_caching or resumed) and not req.skip_prefix_cache
         if use_cache:
             # Always compute at least one token (its logits give the next token), so the last
             # block that contains the final known token is never taken from the cache.
             max_blocks = (seq.num_tokens - 1) // bs
             hits = self.kv.lookup(seq.block_hashes[:max_blocks])
         computed = len(hits) * bs
-        resumed = seq.resume_tail is not None
         if resumed and len(hits) == seq.num_prompt_tokens // bs:
             computed = seq.num_prompt_tokens  # full prompt blocks + the imported tail
         elif resumed:
@@ -171,6 +172,9 @@ class Scheduler:
         if seq.request.reserved_slots and not seq.request.forked:
             self._free_slots.extend(seq.request.reserved_slots)
             seq.request.reserved_slots = []
+
+    def return_slots(self, slots: list[int]) -> None:
+        self._free_slots.extend(slots)
 
     def finish(self, seq: Sequence) -> None:
         """Frees a finished or aborted sequence's pages and slot at once."""

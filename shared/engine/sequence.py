@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from kvmesh.engine.detokenizer import Detokenizer
-from kvmesh.engine.outputs import CompletionOutput, ResumeState, TokenLogprob
+from kvmesh.engine.outputs import CompletionOutput, KVExport, ResumeState, TokenLogprob
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.hashing import hash_block
 
@@ -116,6 +116,7 @@ class Request:
     num_cached_tokens: int = 0
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
     error: Optional[str] = None
+    kv_export: Optional[KVExport] = None
     reserved_slots: list[int] = field(default_factory=list)
     """Residual slots held for the n - 1 completions forked after prefill."""
 
