@@ -1,0 +1,24 @@
+"""StoredBlock: one KV block as it travels between services (one buffer, never re-encoded)."""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StoredBlock:
+    hash: bytes
+    """32-byte chained block hash (the block's identity)."""
+    token_ids: list[int]
+    """The block's tokens, checked by the reader on a hit."""
+    data: bytes
+    """The block's page bytes (data and scales of every layer), as BlockLayout lays them out."""
+    layout: str
+    """Layout id: model, kv dtype, block size, layers, heads, head_dim."""
+    crc32: int | None = field(default=None, compare=False, repr=False)
+    """zlib.crc32 of data when known (the store keeps it; None: compute on send)."""
+
+    def checksum(self) -> int:
+        if self.crc32 is None:
+            self.crc32 = zlib.crc32(self.data)
+        return self.crc32

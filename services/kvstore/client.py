@@ -1,0 +1,210 @@
+"""kvstore clients: one interface, two transports (gRPC over several nodes, in-process).
+
+GrpcKVStoreClient shards blocks over nodes by rendezvous hashing of the block hash over the nodes it
+believes alive. A node whose call fails is marked dead for `retry_after` seconds: new puts go to the
+next node in rendezvous order, gets ask the new owner (a miss there costs a recompute, never an error).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import zlib
+from typing import Iterable, Protocol, runtime_checkable
+
+import grpc
+
+from kvmesh.kvstore.block import StoredBlock
+from kvmesh.kvstore.chunks import GRPC_OPTIONS, assemble, block_chunks
+from kvmesh.kvstore.rendezvous import node_for
+from kvmesh.kvstore.store import BlockStore, PutResult
+from kvmesh.wire import kvmesh_pb2 as pb
+from kvmesh.wire import kvmesh_pb2_grpc as pb_grpc
+
+__all__ = ["StoredBlock", "KVStoreClient", "GrpcKVStoreClient", "LocalKVStoreClient", "node_for",
+           "KVStoreUnavailable", "BlockCorrupted"]
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 1 << 20
+_NODE_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
+
+class KVStoreUnavailable(ConnectionError):
+    """No kvstore node answered."""
+
+
+class BlockCorrupted(ValueError):
+    """A block arrived whose bytes do not match its crc32."""
+
+
+@runtime_checkable
+class KVStoreClient(Protocol):
+    async def put(self, blocks: list[StoredBlock]) -> int:
+        """Store blocks; returns how many the store now holds from this call (stored or already held)."""
+        ...
+
+    async def get(self, hashes: list[bytes], lease_holder: str = "", lease_seconds: float = 0.0
+                  ) -> list[StoredBlock | None]:
+        """Blocks in order, None where missing; leases what it returns when lease_seconds > 0."""
+        ...
+
+    async def contains(self, hashes: list[bytes]) -> list[bool]:
+        """Which blocks are held. Never renews a lease."""
+        ...
+
+    async def release(self, hashes: list[bytes], lease_holder: str) -> None:
+        ...
+
+    async def close(self) -> None:
+        ...
+
+
+class LocalKVStoreClient:
+    """In-process transport over a BlockStore (tests, kvmesh.LLM). Copies data like the wire would."""
+
+    def __init__(self, store: BlockStore) -> None:
+        self.store = store
+
+    async def put(self, blocks: list[StoredBlock]) -> int:
+        held = 0
+        for b in blocks:
+            r = self.store.put(b.hash, b.data, b.token_ids, b.layout, b.crc32)
+            held += r is not PutResult.REJECTED
+        return held
+
+    async def get(self, hashes: list[bytes], lease_holder: str = "", lease_seconds: float = 0.0
+                  ) -> list[StoredBlock | None]:
+        self.store.lease(hashes, lease_holder, lease_seconds)
+        return [self.store.get(h, lease_holder, lease_seconds) for h in hashes]
+
+    async def contains(self, hashes: list[bytes]) -> list[bool]:
+        return self.store.contains(hashes)
+
+    async def release(self, hashes: list[bytes], lease_holder: str) -> None:
+        self.store.release(hashes, lease_holder)
+
+    async def close(self) -> None:
+        pass
+
+
+class GrpcKVStoreClient:
+    def __init__(self, addresses: list[str], *, timeout: float = 30.0, retry_after: float = 5.0,
+                 chunk_bytes: int = CHUNK_BYTES) -> None:
+        if not addresses:
+            raise ValueError("GrpcKVStoreClient: addresses is empty (pass at least one kvstore host:port)")
+        self.addresses = list(dict.fromkeys(addresses))
+        self.timeout = timeout
+        self.retry_after = retry_after
+        self.chunk_bytes = chunk_bytes
+        self._channels = {a: grpc.aio.insecure_channel(a, options=GRPC_OPTIONS) for a in self.addresses}
+        self._stubs = {a: pb_grpc.KVStoreStub(c) for a, c in self._channels.items()}
+        self._dead_until: dict[str, float] = {}
+
+    # -- liveness ------------------------------------------------------------------------------
+    def live_nodes(self) -> list[str]:
+        now = time.monotonic()
+        live = [a for a in self.addresses if self._dead_until.get(a, 0.0) <= now]
+        return live
+
+    def _mark_dead(self, node: str, exc: grpc.aio.AioRpcError) -> None:
+        log.warning("kvstore node %s failed (%s); routing around it for %.0f s", node, exc.code().name,
+                    self.retry_after)
+        self._dead_until[node] = time.monotonic() + self.retry_after
+
+    def _group(self, hashes: Iterable[bytes], live: list[str]) -> dict[str, list[int]]:
+        """Indices of `hashes` per owning node."""
+        if not live:
+            raise KVStoreUnavailable(f"no kvstore node is reachable among {self.addresses}")
+        groups: dict[str, list[int]] = {}
+        for i, h in enumerate(hashes):
+            groups.setdefault(node_for(h, live), []).append(i)
+        return groups
+
+    async def _sharded(self, hashes: list[bytes], call) -> dict[int, object]:
+        """Run `call(node, indices)` per owner in parallel; re-shard the indices of failed nodes."""
+        results: dict[int, object] = {}
+        pending = list(range(len(hashes)))
+        while pending:
+            live = self.live_nodes()
+            groups = self._group([hashes[i] for i in pending], live)
+            groups = {node: [pending[j] for j in idx] for node, idx in groups.items()}
+            outs = await asyncio.gather(*(call(node, idx) for node, idx in groups.items()),
+                                        return_exceptions=True)
+            pending = []
+            for (node, idx), out in zip(groups.items(), outs):
+                if isinstance(out, grpc.aio.AioRpcError) and out.code() in _NODE_DOWN:
+                    self._mark_dead(node, out)
+                    pending.extend(idx)
+                elif isinstance(out, BaseException):
+                    raise out
+                else:
+                    results.update(zip(idx, out))
+        return results
+
+    # -- the interface -------------------------------------------------------------------------
+    async def put(self, blocks: list[StoredBlock]) -> int:
+        async def call(node: str, idx: list[int]) -> list[int]:
+            def chunks():
+                for i in idx:
+                    yield from block_chunks(blocks[i], self.chunk_bytes)
+            reply = await self._stubs[node].Put(chunks(), timeout=self.timeout)
+            held = reply.stored + reply.already_held
+            return [held] + [0] * (len(idx) - 1)  # per-call count, spread so indices stay unique
+
+        out = await self._sharded([b.hash for b in blocks], call)
+        return sum(out.values())
+
+    async def get(self, hashes: list[bytes], lease_holder: str = "", lease_seconds: float = 0.0
+                  ) -> list[StoredBlock | None]:
+        async def call(node: str, idx: list[int]) -> list[StoredBlock | None]:
+            req = pb.GetRequest(hashes=[hashes[i] for i in idx], lease_holder=lease_holder,
+                                lease_seconds=lease_seconds)
+            out: list[StoredBlock | None] = []
+            async for header, data in assemble(self._stubs[node].Get(req, timeout=self.timeout)):
+                if data is None:
+                    out.append(None)
+                    continue
+                data = bytes(data) if isinstance(data, bytearray) else data
+                block = StoredBlock(header.hash, list(header.token_ids), data, header.layout, crc32=header.crc32)
+                if zlib.crc32(data) != header.crc32:
+                    raise BlockCorrupted(f"block {header.hash.hex()[:16]} from kvstore {node}: crc32 mismatch")
+                out.append(block)
+            if len(out) != len(idx):
+                raise ValueError(f"kvstore {node} answered {len(out)} blocks for {len(idx)} hashes")
+            return out
+
+        out = await self._sharded(hashes, call)
+        return [out[i] for i in range(len(hashes))]
+
+    async def contains(self, hashes: list[bytes]) -> list[bool]:
+        async def call(node: str, idx: list[int]) -> list[bool]:
+            reply = await self._stubs[node].Contains(pb.ContainsRequest(hashes=[hashes[i] for i in idx]),
+                                                     timeout=self.timeout)
+            return list(reply.present)
+
+        out = await self._sharded(hashes, call)
+        return [out[i] for i in range(len(hashes))]
+
+    async def release(self, hashes: list[bytes], lease_holder: str) -> None:
+        async def call(node: str, idx: list[int]) -> list[None]:
+            await self._stubs[node].Release(pb.ReleaseRequest(hashes=[hashes[i] for i in idx],
+                                                              lease_holder=lease_holder), timeout=self.timeout)
+            return [None] * len(idx)
+
+        await self._sharded(hashes, call)
+
+    async def stats(self) -> dict[str, pb.StatsReply]:
+        """Stats of every configured node (dead ones omitted)."""
+        out = {}
+        for node, stub in self._stubs.items():
+            try:
+                out[node] = await stub.Stats(pb.StatsRequest(), timeout=self.timeout)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _NODE_DOWN:
+                    raise
+        return out
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self._channels.values()))
+

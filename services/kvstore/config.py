@@ -1,0 +1,114 @@
+"""kvstore configuration: one frozen, validated dataclass; flags named after the fields."""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class KVStoreConfig:
+    host: str = "127.0.0.1"
+    """--host: address to bind (0.0.0.0 for every interface)."""
+    port: int = 50061
+    """--port: gRPC port (0: any free port)."""
+    capacity_bytes: int = 1 * GiB
+    """--capacity-bytes: size of the block pool (GPU memory when present, host memory otherwise)."""
+    capacity_blocks: Optional[int] = None
+    """--capacity-blocks: pool size in blocks; needs --block-bytes; overrides --capacity-bytes."""
+    block_bytes: Optional[int] = None
+    """--block-bytes: bytes of one block slot; default the size of the first block put."""
+    host_tier_bytes: int = 0
+    """--host-tier-bytes: host-memory tier under the pool (evicted blocks demote there); 0 = off."""
+    high_watermark: float = 0.95
+    """--high-watermark: fraction of the pool in use that starts LRU eviction."""
+    low_watermark: float = 0.85
+    """--low-watermark: fraction of the pool eviction brings usage down to."""
+    lease_seconds: float = 60.0
+    """--lease-seconds: longest lease a reader may hold; a dead holder's blocks free within this."""
+    redis_url: Optional[str] = None
+    """--redis-url: publish held blocks to this Redis index; none = an in-process memory index."""
+    advertise_address: Optional[str] = None
+    """--advertise-address: host:port other services reach this node at (the index's holder name)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """--device: where the pool lives; auto = cuda when available."""
+    chunk_bytes: int = 1 * MiB
+    """--chunk-bytes: data bytes per stream message."""
+    publish_interval: float = 0.05
+    """--publish-interval: seconds between batched index updates."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.capacity_bytes <= 0:
+            raise ValueError(f"--capacity-bytes must be positive, got {self.capacity_bytes}")
+        if self.capacity_blocks is not None:
+            if self.capacity_blocks <= 0:
+                raise ValueError(f"--capacity-blocks must be positive, got {self.capacity_blocks}")
+            if self.block_bytes is None:
+                raise ValueError("--capacity-blocks needs --block-bytes (the size of one block slot)")
+        if self.block_bytes is not None and self.block_bytes <= 0:
+            raise ValueError(f"--block-bytes must be positive, got {self.block_bytes}")
+        if self.block_bytes is not None and self.capacity_blocks is None and self.block_bytes > self.capacity_bytes:
+            raise ValueError(f"--capacity-bytes ({self.capacity_bytes}) must hold at least one "
+                             f"--block-bytes ({self.block_bytes}) block")
+        if self.host_tier_bytes < 0:
+            raise ValueError(f"--host-tier-bytes must be >= 0, got {self.host_tier_bytes}")
+        if not 0.0 < self.high_watermark <= 1.0:
+            raise ValueError(f"--high-watermark must be in (0, 1], got {self.high_watermark}")
+        if not 0.0 <= self.low_watermark <= self.high_watermark:
+            raise ValueError(f"--low-watermark must be in [0, --high-watermark={self.high_watermark}], "
+                             f"got {self.low_watermark}")
+        if self.lease_seconds <= 0:
+            raise ValueError(f"--lease-seconds must be positive, got {self.lease_seconds}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.chunk_bytes < 4096:
+            raise ValueError(f"--chunk-bytes must be >= 4096, got {self.chunk_bytes}")
+        if self.publish_interval <= 0:
+            raise ValueError(f"--publish-interval must be positive, got {self.publish_interval}")
+        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://", "http://", "https://")):
+            raise ValueError("--redis-url must start with redis://, rediss://, unix:// (Redis) or http(s):// "
+                             f"(a `kvmesh index` process), got {self.redis_url!r}")
+
+    @property
+    def holder(self) -> str:
+        """The name this node publishes in the index: the advertised address or host:port."""
+        if self.advertise_address:
+            return self.advertise_address
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"{host}:{self.port}"
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """kvstore flags; KVMESH_REDIS_URL and KVMESH_ADVERTISE_ADDRESS supply defaults (compose, k8s)."""
+    d = KVStoreConfig()
+    parser.add_argument("--host", default=d.host)
+    parser.add_argument("--port", type=int, default=d.port)
+    parser.add_argument("--capacity-bytes", type=int, default=d.capacity_bytes)
+    parser.add_argument("--capacity-blocks", type=int, default=None)
+    parser.add_argument("--block-bytes", type=int, default=None)
+    parser.add_argument("--host-tier-bytes", type=int, default=d.host_tier_bytes)
+    parser.add_argument("--high-watermark", type=float, default=d.high_watermark)
+    parser.add_argument("--low-watermark", type=float, default=d.low_watermark)
+    parser.add_argument("--lease-seconds", type=float, default=d.lease_seconds)
+    parser.add_argument("--redis-url", default=os.environ.get("KVMESH_REDIS_URL") or None)
+    parser.add_argument("--advertise-address", default=os.environ.get("KVMESH_ADVERTISE_ADDRESS") or None)
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device)
+    parser.add_argument("--chunk-bytes", type=int, default=d.chunk_bytes)
+    parser.add_argument("--publish-interval", type=float, default=d.publish_interval)
+    return parser
+
+
+def from_args(args: argparse.Namespace) -> KVStoreConfig:
+    return KVStoreConfig(
+        host=args.host, port=args.port, capacity_bytes=args.capacity_bytes,
+        capacity_blocks=args.capacity_blocks, block_bytes=args.block_bytes,
+        host_tier_bytes=args.host_tier_bytes, high_watermark=args.high_watermark,
+        low_watermark=args.low_watermark, lease_seconds=args.lease_seconds, redis_url=args.redis_url,
+        advertise_address=args.advertise_address, device=args.device, chunk_bytes=args.chunk_bytes,
+        publish_interval=args.publish_interval)

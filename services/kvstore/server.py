@@ -1,0 +1,129 @@
+"""kvstore gRPC server: a thin servicer over BlockStore, health checking, index publishing.
+
+    KVStoreServer(cfg).start() -> port     (tests, embedding)
+    serve(cfg)                             (runs until cancelled, then stops gracefully)
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvmesh.index import PrefixIndex, make_index
+from kvmesh.kvstore.chunks import GRPC_OPTIONS, StreamError, assemble, block_chunks, missing_chunk
+from kvmesh.kvstore.config import KVStoreConfig
+from kvmesh.kvstore.publisher import IndexPublisher
+from kvmesh.kvstore.store import BlockStore, ChecksumError, PutResult
+from kvmesh.wire import kvmesh_pb2 as pb
+from kvmesh.wire import kvmesh_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "kvmesh.v1.KVStore"
+
+
+class KVStoreServicer(pb_grpc.KVStoreServicer):
+    def __init__(self, store: BlockStore, chunk_bytes: int) -> None:
+        self.store = store
+        self.chunk_bytes = chunk_bytes
+
+    async def Put(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PutReply:
+        counts = {r: 0 for r in PutResult}
+        try:
+            async for header, data in assemble(request_iterator):
+                if data is None:
+                    raise StreamError(f"Put: block {header.hash.hex()[:16]} is flagged missing")
+                if not header.hash:
+                    raise StreamError("Put: a block header has an empty hash")
+                counts[self.store.put(header.hash, data, header.token_ids, header.layout, header.crc32)] += 1
+        except ChecksumError as exc:
+            await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+        except ValueError as exc:  # StreamError, oversized block
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.PutReply(stored=counts[PutResult.STORED], already_held=counts[PutResult.ALREADY_HELD],
+                           rejected=counts[PutResult.REJECTED])
+
+    async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext):
+        hashes = list(request.hashes)
+        # Lease everything first: later blocks must survive while earlier ones stream.
+        self.store.lease(hashes, request.lease_holder, request.lease_seconds)
+        for h in hashes:
+            block = self.store.get(h, request.lease_holder, request.lease_seconds)
+            if block is None:
+                yield missing_chunk(h)
+                continue
+            for chunk in block_chunks(block, self.chunk_bytes):
+                yield chunk
+
+    async def Contains(self, request: pb.ContainsRequest, context) -> pb.ContainsReply:
+        return pb.ContainsReply(present=self.store.contains(list(request.hashes)))
+
+    async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseReply:
+        return pb.ReleaseReply(released=self.store.release(list(request.hashes), request.lease_holder))
+
+    async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsReply:
+        s = self.store.stats()
+        return pb.StatsReply(**dataclasses.asdict(s))
+
+
+class KVStoreServer:
+    """One kvstore node: gRPC server + store + index publisher. Dependencies may be passed in."""
+
+    def __init__(self, cfg: KVStoreConfig, store: BlockStore | None = None,
+                 index: PrefixIndex | None = None) -> None:
+        self.cfg = cfg
+        self.store = store if store is not None else BlockStore(cfg)
+        self.index = index if index is not None else make_index(cfg.redis_url)
+        self._owns_index = index is None
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self.publisher: IndexPublisher | None = None
+        self.port: int | None = None
+
+    @property
+    def address(self) -> str:
+        """host:port this node is reached at and published under in the index."""
+        return dataclasses.replace(self.cfg, port=self.port or self.cfg.port).holder
+
+    async def start(self) -> int:
+        server = grpc.aio.server(options=GRPC_OPTIONS + [("grpc.so_reuseport", 0)])
+        pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self.store, self.cfg.chunk_bytes), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        self.port = server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        if self.port == 0:
+            raise OSError(f"kvstore: cannot bind {self.cfg.host}:{self.cfg.port} (is --port in use?)")
+        await server.start()
+        self._server = server
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.publisher = IndexPublisher(self.store, self.index, self.address, self.cfg.publish_interval)
+        self.publisher.start()
+        log.info("kvstore serving on %s (pool on %s)", self.address, self.store.device)
+        return self.port
+
+    async def stop(self, grace: float = 2.0) -> None:
+        """Stop taking work, let streams in flight finish for `grace` s, withdraw from the index."""
+        if self._server is None:
+            return
+        await self._health.enter_graceful_shutdown()
+        await self._server.stop(grace)
+        self._server = None
+        try:
+            await self.publisher.stop()
+        except Exception as exc:  # the index entries expire by TTL anyway
+            log.warning("kvstore: could not withdraw %s from the prefix index: %s", self.address, exc)
+        if self._owns_index:
+            await self.index.close()
+
+
+async def serve(cfg: KVStoreConfig) -> None:
+    """Run a kvstore node until cancelled."""
+    server = KVStoreServer(cfg)
+    await server.start()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await asyncio.shield(server.stop())

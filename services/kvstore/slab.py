@@ -1,0 +1,79 @@
+"""Slab: one preallocated buffer cut into equal block slots, in GPU memory or host memory.
+
+Allocated once, so storing a block never mallocs; a block occupies one slot (its size may be smaller
+than the slot). Free slots are a LIFO stack (reuse the warmest memory first).
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+
+def resolve_device(device: str) -> str:
+    """auto -> cuda when torch sees a GPU, else cpu."""
+    if device == "cpu":
+        return "cpu"
+    try:
+        import torch
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if device == "cuda" and not has_cuda:
+        raise ValueError("--device cuda: no CUDA GPU is visible; use --device cpu or auto")
+    return "cuda" if has_cuda else "cpu"
+
+
+class Slab:
+    def __init__(self, num_slots: int, slot_bytes: int, device: str = "cpu") -> None:
+        if num_slots < 0 or slot_bytes <= 0:
+            raise ValueError(f"slab needs num_slots >= 0 and slot_bytes > 0, got {num_slots}, {slot_bytes}")
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self.device = device
+        if device == "cuda":
+            import torch
+            self._gpu = torch.empty((num_slots, slot_bytes), dtype=torch.uint8, device="cuda")  # [S, B]
+            self._host = None
+        else:
+            self._gpu = None
+            self._host = np.empty((num_slots, slot_bytes), dtype=np.uint8)  # [S, B]
+        self._free = list(range(num_slots - 1, -1, -1))  # stack; pops slot 0 first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def write(self, slot: int, data: bytes | bytearray | memoryview) -> None:
+        n = len(data)
+        if n > self.slot_bytes:
+            raise ValueError(f"block of {n} bytes exceeds the slot size {self.slot_bytes} (--block-bytes)")
+        src = np.frombuffer(data, dtype=np.uint8)  # [n], no copy
+        if self._host is not None:
+            self._host[slot, :n] = src
+            return
+        import torch
+        with warnings.catch_warnings():  # read-only source buffer: torch only reads it here
+            warnings.simplefilter("ignore", UserWarning)
+            self._gpu[slot, :n].copy_(torch.from_numpy(src))
+
+    def read(self, slot: int, size: int) -> bytes:
+        if self._host is not None:
+            return self._host[slot, :size].tobytes()
+        return self._gpu[slot, :size].cpu().numpy().tobytes()
+
+    def view(self, slot: int, size: int):
+        """The slot's bytes in place (numpy uint8 [size] or torch uint8 [size] on the GPU), no copy."""
+        if self._host is not None:
+            return self._host[slot, :size]
+        return self._gpu[slot, :size]
