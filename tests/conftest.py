@@ -24,3 +24,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# `redis_url` / `redis_flush` fixtures: a real redis-server on a free port (tests/conftest_redis.py).
+pytest_plugins = ["conftest_redis"]
