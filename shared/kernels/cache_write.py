@@ -1,0 +1,249 @@
+"""Cache write: quantize completed K/V blocks straight into their pages (one fused Triton kernel).
+
+One program per (completed block, KV head). It gathers the block's `bs` rows from
+S = cat(residual rows, new rows) (the `WritePlan` numbering), computes the scales over the whole
+block, quantizes, and stores data + scales at the page's byte offsets (`kv/layout.py`). Pages with
+id -1 are padding: the program returns at once, so the grid is fixed (CUDA-graph friendly).
+The math follows `kvmesh.kv.quant` exactly: scales rounded to their stored dtype before quantizing,
+IEEE division (`div_rn`), round-half-even.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvmesh.kv.layout import INT4_GROUP, BlockLayout
+from kvmesh.kv.pool import KVCache
+
+# Format codes shared by every kernel in this package (constexpr switches).
+FMT_FP32, FMT_FP16, FMT_BF16, FMT_E4M3, FMT_E5M2, FMT_INT8, FMT_INT4 = range(7)
+FMT_CODES = {"fp32": FMT_FP32, "fp16": FMT_FP16, "bf16": FMT_BF16, "fp8_e4m3": FMT_E4M3,
+             "fp8_e5m2": FMT_E5M2, "int8": FMT_INT8, "int4": FMT_INT4}
+
+@triton.jit
+def _rint(y):
+    """Round half-to-even for |y| < 2**22: adding 1.5 * 2**23 leaves no fraction bits."""
+    return (y + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _fp16_round(s):
+    """A positive fp32 scale rounded through fp16, as `quant._round_scale` does."""
+    s = tl.minimum(s, 65504.0).to(tl.float16).to(tl.float32)
+    return tl.maximum(s, 5.960464477539063e-08)
+
+
+@triton.jit
+def _gather_rows(res_ptr, new_ptr, rows, slot_stride, res_off, new_stride_t, head, kv: tl.constexpr,
+                 R, KVH: tl.constexpr, BS: tl.constexpr, cols, D: tl.constexpr):
+    """Rows `rows` [BS] of S, channels `cols` [C] -> fp32 [BS, C]."""
+    is_new = rows >= R  # [BS]
+    r_res = tl.where(is_new, 0, rows)
+    r_new = tl.where(is_new, rows - R, 0)
+    res_row = (r_res // BS) * slot_stride + res_off + ((kv * KVH + head) * BS + r_res % BS) * D
+    new_row = r_new * new_stride_t + head * D
+    a = tl.load(res_ptr + res_row[:, None] + cols[None, :], mask=(~is_new)[:, None], other=0.0)
+    b = tl.load(new_ptr + new_row[:, None] + cols[None, :], mask=is_new[:, None], other=0.0)
+    return tl.where(is_new[:, None], b.to(tl.float32), a.to(tl.float32))
+
+
+@triton.jit
+def _store_plain(pool_ptr, base, head, x, FMT: tl.constexpr, BS: tl.constexpr, D: tl.constexpr):
+    t = tl.arange(0, BS)
+    d = tl.arange(0, D)
+    off = (head * BS + t)[:, None] * D + d[None, :]  # [BS, D] elements
+    if FMT == 0:
+        p = pool_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
+        tl.store(p + base // 4 + off, x)
+    elif FMT == 1:
+        p = pool_ptr.to(tl.pointer_type(tl.float16), bitcast=True)
+        tl.store(p + base // 2 + off, x.to(tl.float16))
+    else:
+        p = pool_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
+        tl.store(p + base // 2 + off, x.to(tl.bfloat16))
+
+
+@triton.jit
+def _store_fp8(pool_ptr, base, scale_base, head, x, FMT: tl.constexpr, BS: tl.constexpr,
+               D: tl.constexpr):
+    """One scale per (page, layer, head), fp32: s = max(absmax, 1e-6) / FMAX."""
+    FMAX: tl.constexpr = 448.0 if FMT == 3 else 57344.0
+    s = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 1e-6), FMAX)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -FMAX), FMAX)
+    if FMT == 3:
+        q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        q = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    t = tl.arange(0, BS)
+    d = tl.arange(0, D)
+    tl.store(pool_ptr + base + (head * BS + t)[:, None] * D + d[None, :], q)
+    ps = pool_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
+    tl.store(ps + scale_base // 4 + head, s)
+
+
+@triton.jit
+def _store_int8(pool_ptr, base, scale_base, head, x, BS: tl.constexpr, D: tl.constexpr):
+    """Symmetric, one fp16 scale per (token, head)."""
+    s = _fp16_round(tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-6), 127.0))  # [BS]
+    q = tl.minimum(tl.maximum(_rint(tl.math.div_rn(x, s[:, None])), -127.0), 127.0)
+    t = tl.arange(0, BS)
+    d = tl.arange(0, D)
+    p8 = pool_ptr.to(tl.pointer_type(tl.int8), bitcast=True)
+    tl.store(p8 + base + (head * BS + t)[:, None] * D + d[None, :], q.to(tl.int8))
+    ps = pool_ptr.to(tl.pointer_type(tl.float16), bitcast=True)
+    tl.store(ps + scale_base // 2 + head * BS + t, s.to(tl.float16))
+
+
+@triton.jit
+def _int4_q(x, m, s):
+    return tl.minimum(tl.maximum(_rint(tl.math.div_rn(x - m, s)), 0.0), 15.0).to(tl.int32)
+
+
+@triton.jit
+def _store_int4_k(pool_ptr, base, scale_base, head, xe, xo, BS: tl.constexpr, D: tl.constexpr):
+    """Keys per channel over the block: s, m [D] fp16. xe/xo: even/odd channels [BS, D // 2]."""
+    HALF: tl.constexpr = D // 2
+    me, mo = tl.min(xe, axis=0), tl.min(xo, axis=0)  # [HALF]
+    se = _fp16_round(tl.maximum(tl.math.div_rn(tl.max(xe, axis=0) - me, 15.0), 1e-6))
+    so = _fp16_round(tl.maximum(tl.math.div_rn(tl.max(xo, axis=0) - mo, 15.0), 1e-6))
+    me = tl.minimum(tl.maximum(me, -65504.0), 65504.0).to(tl.float16).to(tl.float32)
+    mo = tl.minimum(tl.maximum(mo, -65504.0), 65504.0).to(tl.float16).to(tl.float32)
+    packed = _int4_q(xe, me[None, :], se[None, :]) | (_int4_q(xo, mo[None, :], so[None, :]) << 4)
+    t = tl.arange(0, BS)
+    j = tl.arange(0, HALF)
+    tl.store(pool_ptr + base + (head * BS + t)[:, None] * HALF + j[None, :], packed.to(tl.uint8))
+    ps = pool_ptr.to(tl.pointer_type(tl.float16), bitcast=True) + scale_base // 2 + head * 2 * D
+    tl.store(ps + 2 * j, se.to(tl.float16))
+    tl.store(ps + 2 * j + 1, so.to(tl.float16))
+    tl.store(ps + D + 2 * j, me.to(tl.float16))
+    tl.store(ps + D + 2 * j + 1, mo.to(tl.float16))
+
+
+@triton.jit
+def _store_int4_v(pool_ptr, base, scale_base, head, xe, xo, BS: tl.constexpr, D: tl.constexpr):
+    """Values per token in groups of 32 channels: s, m [BS, G] fp16."""
+    HALF: tl.constexpr = D // 2
+    G: tl.constexpr = D // 32
+    xe3 = tl.reshape(xe, (BS, G, 16))
+    xo3 = tl.reshape(xo, (BS, G, 16))
+    lo = tl.minimum(tl.min(xe3, axis=2), tl.min(xo3, axis=2))  # [BS, G]
+    hi = tl.maximum(tl.max(xe3, axis=2), tl.max(xo3, axis=2))
+    s = _fp16_round(tl.maximum(tl.math.div_rn(hi - lo, 15.0), 1e-6))
+    m = tl.minimum(tl.maximum(lo, -65504.0), 65504.0).to(tl.float16).to(tl.float32)
+    qe = _int4_q(xe3, m[:, :, None], s[:, :, None])
+    qo = _int4_q(xo3, m[:, :, None], s[:, :, None])
+    packed = tl.reshape(qe | (qo << 4), (BS, HALF))
+    t = tl.arange(0, BS)
+    j = tl.arange(0, HALF)
+    tl.store(pool_ptr + base + (head * BS + t)[:, None] * HALF + j[None, :], packed.to(tl.uint8))
+    g = tl.arange(0, G)
+    ps = pool_ptr.to(tl.pointer_type(tl.float16), bitcast=True) + scale_base // 2
+    row = ((head * BS + t) * 2)[:, None] * G + g[None, :]  # [BS, G]
+    tl.store(ps + row, s.to(tl.float16))
+    tl.store(ps + row + G, m.to(tl.float16))
+
+
+@triton.jit
+def _cache_write_kernel(
+    pool_ptr,  # uint8 [num_pages, page_bytes]
+    res_ptr,  # [num_slots, layers, 2, KVH, BS, D] model dtype (contiguous)
+    k_ptr,  # [T, KVH, D] new keys
+    v_ptr,  # [T, KVH, D] new values
+    block_rows_ptr,  # int64 [n_blocks, BS] rows of S = cat(residual rows, new rows)
+    block_ids_ptr,  # int64 [n_blocks] destination page, -1 = padding
+    page_stride,  # bytes between pages
+    layer_off,  # layer * layer_bytes
+    slot_stride,  # elements between residual slots
+    res_layer_off,  # layer * (elements of one layer inside a slot)
+    stride_kt, stride_vt,  # elements between new rows (head stride is D)
+    R,  # residual rows in S: num_slots * BS
+    V_OFF: tl.constexpr, KS_OFF: tl.constexpr, VS_OFF: tl.constexpr,
+    FMT: tl.constexpr, KVH: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    head = tl.program_id(1)
+    page = tl.load(block_ids_ptr + blk)
+    if page >= 0:
+        rows = tl.load(block_rows_ptr + blk * BS + tl.arange(0, BS))  # [BS] int64
+        base = page.to(tl.int64) * page_stride + layer_off  # byte offset of this page's layer
+        if FMT == 6:
+            HALF: tl.constexpr = D // 2
+            ev = 2 * tl.arange(0, HALF)
+            ke = _gather_rows(res_ptr, k_ptr, rows, slot_stride, res_layer_off, stride_kt, head, 0, R, KVH, BS, ev, D)
+            ko = _gather_rows(res_ptr, k_ptr, rows, slot_stride, res_layer_off, stride_kt, head, 0, R, KVH, BS, ev + 1, D)
+            ve = _gather_rows(res_ptr, v_ptr, rows, slot_stride, res_layer_off, stride_vt, head, 1, R, KVH, BS, ev, D)
+            vo = _gather_rows(res_ptr, v_ptr, rows, slot_stride, res_layer_off, stride_vt, head, 1, R, KVH, BS, ev + 1, D)
+            _store_int4_k(pool_ptr, base, base + KS_OFF, head, ke, ko, BS, D)
+            _store_int4_v(pool_ptr, base + V_OFF, base + VS_OFF, head, ve, vo, BS, D)
+        else:
+            d = tl.arange(0, D)
+            kx = _gather_rows(res_ptr, k_ptr, rows, slot_stride, res_layer_off, stride_kt, head, 0, R, KVH, BS, d, D)
+            vx = _gather_rows(res_ptr, v_ptr, rows, slot_stride, res_layer_off, stride_vt, head, 1, R, KVH, BS, d, D)
+            if FMT <= 2:
+                _store_plain(pool_ptr, base, head, kx, FMT, BS, D)
+                _store_plain(pool_ptr, base + V_OFF, head, vx, FMT, BS, D)
+            elif FMT <= 4:
+                _store_fp8(pool_ptr, base, base + KS_OFF, head, kx, FMT, BS, D)
+                _store_fp8(pool_ptr, base + V_OFF, base + VS_OFF, head, vx, FMT, BS, D)
+            else:
+                _store_int8(pool_ptr, base, base + KS_OFF, head, kx, BS, D)
+                _store_int8(pool_ptr, base + V_OFF, base + VS_OFF, head, vx, BS, D)
+
+
+def _check_rows(name: str, x: torch.Tensor, L: BlockLayout) -> None:
+    if x.dim() != 3 or x.shape[1] != L.kv_heads or x.shape[2] != L.head_dim:
+        raise ValueError(f"{name} must be [T, {L.kv_heads}, {L.head_dim}], got {tuple(x.shape)}")
+    if x.stride(2) != 1 or x.stride(1) != L.head_dim:
+        raise ValueError(f"{name} must have contiguous heads and channels, got strides {x.stride()}")
+
+
+def write_blocks(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
+                 block_rows: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """Quantize blocks `block_rows` [n, bs] (rows of cat(residual rows, new rows)) into pages
+    `block_ids` [n] (-1 = skip) of `layer`. k, v: [T, KVH, D] new rows."""
+    L = cache.layout
+    if not 0 <= layer < L.num_layers:
+        raise ValueError(f"layer must be in [0, {L.num_layers}), got {layer}")
+    _check_rows("k", k, L)
+    _check_rows("v", v, L)
+    n = int(block_ids.shape[0])
+    if block_rows.shape != (n, L.block_size):
+        raise ValueError(f"block_rows must be [{n}, {L.block_size}], got {tuple(block_rows.shape)}")
+    if n == 0:
+        return
+    if cache.pool.dtype != torch.uint8 or not cache.pool.is_contiguous():
+        raise ValueError("cache.pool must be a contiguous uint8 tensor")
+    if not cache.residual.is_contiguous():
+        raise ValueError("cache.residual must be contiguous")
+    res = cache.residual
+    slot_stride = res.stride(0)
+    _cache_write_kernel[(n, L.kv_heads)](
+        pool_ptr=cache.pool, res_ptr=res, k_ptr=k, v_ptr=v,
+        block_rows_ptr=block_rows.to(torch.int64).contiguous(),
+        block_ids_ptr=block_ids.to(torch.int64).contiguous(),
+        page_stride=L.block_bytes, layer_off=layer * L.layer_bytes,
+        slot_stride=slot_stride, res_layer_off=layer * res.stride(1),
+        stride_kt=k.stride(0), stride_vt=v.stride(0), R=cache.num_residual_slots * L.block_size,
+        V_OFF=L.v_data_offset, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset,
+        FMT=FMT_CODES[L.kv_dtype], KVH=L.kv_heads, BS=L.block_size, D=L.head_dim,
+        num_warps=4,
+    )
+
+
+def copy_to_residual(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
+                     src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Leftover rows `src` of S -> residual rows `dst` (slot * bs + offset), full precision.
+    Gathers everything before writing: a leftover may land on a row a completed block consumed."""
+    if src.numel() == 0:
+        return
+    bs = cache.layout.block_size
+    base = cache.num_residual_slots * bs
+    res = cache.residual[:, layer]  # [S, 2, KVH, bs, D]
+    is_new = (src >= base)[:, None, None]
+    r = src.clamp(max=base - 1)
+    n = (src - base).clamp(min=0)
+    tk = torch.where(is_new, k[n].to(res.dtype), res[:, 0][r // bs, :, r % bs])  # [m, KVH, D]
+    tv = torch.where(is_new, v[n].to(res.dtype), res[:, 1][r // bs, :, r % bs])
+    res[:, 0][dst // bs, :, dst % bs] = tk
+    res[:, 1][dst // bs, :, dst % bs] = tv

@@ -1,0 +1,329 @@
+"""The paged attention kernel shared by decode and prefill/extend (launchers in decode_attention.py
+and prefill_attention.py).
+
+One program = one tile of rows x one KV head x one split. A row is a (new token, query head) pair;
+the rows of a tile are TOK_PER_TILE tokens x the G query heads that share the KV head, so each page
+is read once per tile for the whole group (decode: 1 token x G heads, padded to 16 rows for tl.dot).
+Keys of a sequence, in order: its full pages (quantized, read through the block table and
+dequantized in registers), its residual tail (< bs tokens, full precision), its new tokens (dense,
+causal). Splits (flash-decoding) divide the full pages; the last split also takes tail and new
+tokens and each split writes a partial result + log-sum-exp for `reduce_splits`.
+
+Dequantization without float conversion instructions (integer ops + bitcast to fp16):
+    fp8 e5m2: fp16 bits = byte << 8                               (exact)
+    fp8 e4m3: fp16 bits = sign << 8 | (byte & 0x7f) << 7 = x * 2**-8  (exact; 2**8 folded into scale)
+    int8:     fp16(0x6400 | (byte ^ 0x80)) - 1152 = x               (exact)
+    int4:     fp16(0x6400 | nibble) - 1024 = q; x = q * s + m      (scales per element, in-tile)
+Per-token scales (fp8 page scale, int8 token scale) multiply the score columns (K) and the
+probabilities (V) instead of the tiles: one multiply per token, not per element.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kvmesh.kernels.backend import AttentionMetadata
+from kvmesh.kernels.cache_write import FMT_BF16, FMT_CODES, FMT_E4M3, FMT_E5M2, FMT_FP32, FMT_INT8
+from kvmesh.kv.pool import KVCache
+
+LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def _load_page_tile(pool_ptr, base, tok, n_mask, head, DATA_OFF: tl.constexpr,
+                    SCALE_OFF: tl.constexpr, IS_KEY: tl.constexpr, FMT: tl.constexpr,
+                    BS: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr):
+    """Tokens (page byte base [N] int64, token in page [N]) of one KV head -> (tile [N, D] in DOT,
+    per-token scale [N] fp32, or 1.0 where the format has none / folds it into the tile)."""
+    d = tl.arange(0, D)
+    row = (head * BS + tok).to(tl.int64)  # [N] row of [KVH, BS] inside the region
+    m2 = n_mask[:, None]
+    one = tl.full(tok.shape, 1.0, tl.float32)
+    if FMT == 0:
+        p = pool_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
+        x = tl.load(p + ((base + DATA_OFF) // 4 + row * D)[:, None] + d[None, :], mask=m2, other=0.0)
+        return x.to(DOT), one
+    elif FMT == 1:
+        p = pool_ptr.to(tl.pointer_type(tl.float16), bitcast=True)
+        x = tl.load(p + ((base + DATA_OFF) // 2 + row * D)[:, None] + d[None, :], mask=m2, other=0.0)
+        return x.to(DOT), one
+    elif FMT == 2:
+        p = pool_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
+        x = tl.load(p + ((base + DATA_OFF) // 2 + row * D)[:, None] + d[None, :], mask=m2, other=0.0)
+        return x.to(DOT), one
+    elif FMT <= 4:
+        b = tl.load(pool_ptr + (base + DATA_OFF + row * D)[:, None] + d[None, :], mask=m2, other=0)
+        b = b.to(tl.uint16)
+        if FMT == 3:
+            bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+            fix = 256.0  # the exponent-bias gap between e4m3 (7) and fp16 (15)
+        else:
+            bits = b << 8
+            fix = 1.0
+        x = bits.to(tl.float16, bitcast=True)
+        ps = pool_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
+        s = tl.load(ps + (base + SCALE_OFF) // 4 + head, mask=n_mask, other=0.0) * fix  # [N]
+        return x.to(DOT), s
+    elif FMT == 5:
+        b = tl.load(pool_ptr + (base + DATA_OFF + row * D)[:, None] + d[None, :], mask=m2, other=0)
+        bits = (b.to(tl.uint16) ^ 0x80) | 0x6400
+        x = bits.to(tl.float16, bitcast=True) - 1152.0
+        ps = pool_ptr.to(tl.pointer_type(tl.float16), bitcast=True)
+        s = tl.load(ps + (base + SCALE_OFF) // 2 + row, mask=n_mask, other=0.0).to(tl.float32)
+        return x.to(DOT), s
+    else:
+        HALF: tl.constexpr = D // 2
+        j = tl.arange(0, HALF)
+        b = tl.load(pool_ptr + (base + DATA_OFF + row * HALF)[:, None] + j[None, :], mask=m2, other=0)
+        b = b.to(tl.uint16)
+        lo = ((b & 0xF) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+        hi = ((b >> 4) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+        q = tl.reshape(tl.join(lo, hi), (lo.shape[0], D))  # [N, D], even/odd channels interleaved
+        ps = pool_ptr.to(tl.pointer_type(tl.float16), bitcast=True)
+        sb = (base + SCALE_OFF) // 2
+        if IS_KEY:  # [KVH, 2, D]: per channel over the page
+            so = (sb + head * 2 * D)[:, None] + d[None, :]
+            s = tl.load(ps + so, mask=m2, other=0.0)
+            mn = tl.load(ps + so + D, mask=m2, other=0.0)
+        else:  # [KVH, BS, 2, D // 32]: per token, groups of 32 channels
+            G: tl.constexpr = D // 32
+            so = (sb + row * 2 * G)[:, None] + (d // 32)[None, :]
+            s = tl.load(ps + so, mask=m2, other=0.0)
+            mn = tl.load(ps + so + G, mask=m2, other=0.0)
+        x = q.to(DOT) * s.to(DOT) + mn.to(DOT)
+        return x, one
+
+
+@triton.jit
+def _dot(a, b, DOT: tl.constexpr):
+    if DOT == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _softmax_step(acc, m_i, l_i, q, kt, ks, vt, vs, valid, qk_scale, HAS_SCALE: tl.constexpr,
+                  DOT: tl.constexpr):
+    """One online-softmax step over a key tile. kt, vt: [N, D]; ks, vs: [N]; valid: [M, N]."""
+    s = _dot(q, tl.trans(kt), DOT)  # [M, N] fp32
+    if HAS_SCALE:
+        s = s * (ks * qk_scale)[None, :]
+    else:
+        s = s * qk_scale
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # m_i starts finite, so no inf - inf
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])  # [M, N]
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if HAS_SCALE:
+        p = p * vs[None, :]
+    acc = acc * alpha[:, None] + _dot(p.to(DOT), vt, DOT)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr,  # [T, H, D] new queries
+    k_ptr,  # [T, KVH, D] new keys (dense, full precision)
+    v_ptr,  # [T, KVH, D] new values
+    out_ptr,  # [T, H, D] output (SPLITS == 1)
+    part_out_ptr,  # fp32 [T, H, SPLITS, D] normalized partial outputs (SPLITS > 1)
+    part_lse_ptr,  # fp32 [T, H, SPLITS] log2-sum-exp of each partial (SPLITS > 1)
+    pool_ptr,  # uint8 [num_pages, page_bytes]
+    res_ptr,  # [num_slots, layers, 2, KVH, BS, D] residual tails (contiguous)
+    query_start_ptr,  # int32 [B + 1]
+    prefix_lens_ptr,  # int32 [B]
+    block_tables_ptr,  # int32 [B, max_pages]
+    residual_slots_ptr,  # int32 [B]
+    stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh,
+    stride_bt,  # elements between block-table rows
+    page_stride,  # bytes between pages
+    layer_off,  # layer * layer_bytes
+    slot_stride,  # residual elements between slots
+    res_layer_off,  # layer * residual elements per layer inside a slot
+    qk_scale,  # softmax scale * log2(e)
+    V_OFF: tl.constexpr, KS_OFF: tl.constexpr, VS_OFF: tl.constexpr,
+    FMT: tl.constexpr, HAS_SCALE: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
+    BS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, TOK_PER_TILE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, DOT: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    b = tl.program_id(1)
+    kvh = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
+    q_start = tl.load(query_start_ptr + b)
+    q_len = tl.load(query_start_ptr + b + 1) - q_start
+    tok0 = tile * TOK_PER_TILE
+    if tok0 < q_len:
+        prefix = tl.load(prefix_lens_ptr + b)
+        r = tl.arange(0, BLOCK_M)
+        rt = r // G
+        head = kvh * G + r % G  # [M] query head of each row
+        row_tok = tok0 + rt  # [M] new-token index of each row
+        row_ok = (rt < TOK_PER_TILE) & (row_tok < q_len)
+        d = tl.arange(0, D)
+        q_row = (q_start + row_tok).to(tl.int64)
+        q = tl.load(q_ptr + (q_row * stride_qt + head * stride_qh)[:, None] + d[None, :],
+                    mask=row_ok[:, None], other=0.0).to(DOT)  # [M, D]
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
+        m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+
+        # 1. full pages of this split (quantized)
+        n_pages = prefix // BS
+        per_split = tl.cdiv(n_pages, SPLITS)
+        p_lo = split * per_split
+        n_end = tl.minimum(n_pages, p_lo + per_split) * BS
+        bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+        for n0 in range(p_lo * BS, n_end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            nm = n < n_end
+            page = tl.load(bt_row + n // BS, mask=nm, other=0).to(tl.int64)
+            base = page * page_stride + layer_off  # [N] byte offset of the page's layer
+            tok = n % BS
+            kt, ks = _load_page_tile(pool_ptr, base, tok, nm, kvh, 0, KS_OFF, True, FMT, BS, D, DOT)
+            vt, vs = _load_page_tile(pool_ptr, base, tok, nm, kvh, V_OFF, VS_OFF, False, FMT, BS, D, DOT)
+            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kt, ks, vt, vs, nm[None, :], qk_scale,
+                                          HAS_SCALE, DOT)
+
+        if split == SPLITS - 1:
+            # 2. residual tail: prefix % BS tokens in full precision
+            n_tail = prefix % BS
+            if n_tail > 0:
+                t = tl.arange(0, BS)
+                tm = t < n_tail
+                slot = tl.load(residual_slots_ptr + b).to(tl.int64)
+                rk = res_ptr + slot * slot_stride + res_layer_off + ((kvh * BS + t) * D)[:, None] + d[None, :]
+                kt = tl.load(rk, mask=tm[:, None], other=0.0).to(DOT)
+                vt = tl.load(rk + KVH * BS * D, mask=tm[:, None], other=0.0).to(DOT)
+                acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kt, kt, vt, vt, tm[None, :], qk_scale,
+                                              False, DOT)
+            # 3. new tokens, causal
+            last = tl.minimum(tok0 + TOK_PER_TILE, q_len)  # keys 0 .. last-1 are visible to some row
+            for j0 in range(0, last, BLOCK_N):
+                j = j0 + tl.arange(0, BLOCK_N)
+                jm = j < last
+                kr = (q_start + j).to(tl.int64)
+                kt = tl.load(k_ptr + (kr * stride_kt + kvh * D)[:, None] + d[None, :],
+                             mask=jm[:, None], other=0.0).to(DOT)
+                vt = tl.load(v_ptr + (kr * stride_vt + kvh * D)[:, None] + d[None, :],
+                             mask=jm[:, None], other=0.0).to(DOT)
+                valid = jm[None, :] & (j[None, :] <= row_tok[:, None])
+                acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kt, kt, vt, vt, valid, qk_scale,
+                                              False, DOT)
+
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        if SPLITS == 1:
+            op = out_ptr + (q_row * stride_ot + head * stride_oh)[:, None] + d[None, :]
+            tl.store(op, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            ph = q_row * (KVH * G) + head  # [M] row of [T, H]
+            tl.store(part_out_ptr + ((ph * SPLITS + split) * D)[:, None] + d[None, :], o,
+                     mask=row_ok[:, None])
+            lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
+            tl.store(part_lse_ptr + ph * SPLITS + split, lse, mask=row_ok)
+
+
+@triton.jit
+def reduce_splits_kernel(
+    part_out_ptr,  # fp32 [T, H, SPLITS, D]
+    part_lse_ptr,  # fp32 [T, H, SPLITS]
+    out_ptr,  # [T, H, D]
+    stride_ot, stride_oh,
+    H: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, D: tl.constexpr,
+):
+    """Combines the splits of one (token, head): weights 2**(lse - max)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_P2)
+    d = tl.arange(0, D)
+    ph = t.to(tl.int64) * H + h
+    lse = tl.load(part_lse_ptr + ph * SPLITS + sp, mask=sp < SPLITS, other=float("-inf"))
+    w = tl.math.exp2(lse - tl.max(lse, axis=0))  # [S]; empty splits have lse -inf -> 0
+    o = tl.load(part_out_ptr + ((ph * SPLITS + sp) * D)[:, None] + d[None, :],
+                mask=(sp < SPLITS)[:, None], other=0.0)
+    o = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+
+
+def _dot_dtype(fmt: int, q: torch.Tensor) -> tl.dtype:
+    """The tl.dot input dtype. fp32 under the interpreter (its bf16 dot is broken), else the page
+    dtype for full-precision caches and fp16 for the dequantized ones (exact for fp8/int8/int4 codes)."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or fmt == FMT_FP32:
+        return tl.float32
+    return tl.bfloat16 if fmt == FMT_BF16 else tl.float16
+
+
+def _check(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           meta: AttentionMetadata) -> None:
+    L = cache.layout
+    if not 0 <= layer < L.num_layers:
+        raise ValueError(f"layer must be in [0, {L.num_layers}), got {layer}")
+    if q.dim() != 3 or q.shape[2] != L.head_dim or q.shape[1] % L.kv_heads:
+        raise ValueError(f"q must be [T, H, {L.head_dim}] with H a multiple of {L.kv_heads}, got {tuple(q.shape)}")
+    for name, x in (("k", k), ("v", v)):
+        if x.shape != (q.shape[0], L.kv_heads, L.head_dim):
+            raise ValueError(f"{name} must be [{q.shape[0]}, {L.kv_heads}, {L.head_dim}], got {tuple(x.shape)}")
+        if x.stride(2) != 1 or x.stride(1) != L.head_dim:
+            raise ValueError(f"{name} must have contiguous heads and channels, got strides {x.stride()}")
+    if q.stride(2) != 1:
+        raise ValueError(f"q must be contiguous in head_dim, got strides {q.stride()}")
+    if cache.pool.dtype != torch.uint8 or not cache.pool.is_contiguous():
+        raise ValueError("cache.pool must be a contiguous uint8 tensor")
+    if not cache.residual.is_contiguous():
+        raise ValueError("cache.residual must be contiguous")
+    if meta.block_tables.dtype != torch.int32 or meta.block_tables.stride(1) != 1:
+        raise ValueError("meta.block_tables must be int32 with contiguous rows")
+    for name in ("query_start_loc", "prefix_lens", "residual_slots"):
+        if getattr(meta, name).dtype != torch.int32:
+            raise ValueError(f"meta.{name} must be int32, got {getattr(meta, name).dtype}")
+
+
+def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor,
+                           v: torch.Tensor, meta: AttentionMetadata, scale: float, *,
+                           block_m: int, block_n: int, splits: int, num_warps: int,
+                           num_stages: int, max_query_len: int) -> torch.Tensor:
+    """Runs the kernel (and the split reduction) over every sequence; returns out [T, H, D]."""
+    _check(cache, layer, q, k, v, meta)
+    L = cache.layout
+    T, H, D = q.shape
+    G = H // L.kv_heads
+    B = meta.num_seqs
+    fmt = FMT_CODES[L.kv_dtype]
+    block_m = max(block_m, 16, triton.next_power_of_2(G))  # rows = tokens x G heads; tl.dot needs 16
+    tok_per_tile = block_m // G
+    n_tiles = triton.cdiv(max_query_len, tok_per_tile)
+    out = torch.empty_like(q)
+    if splits > 1:
+        part_out = torch.empty(T, H, splits, D, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(T, H, splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    res = cache.residual
+    paged_attention_kernel[(n_tiles, B, L.kv_heads * splits)](
+        q_ptr=q, k_ptr=k, v_ptr=v, out_ptr=out, part_out_ptr=part_out, part_lse_ptr=part_lse,
+        pool_ptr=cache.pool, res_ptr=res,
+        query_start_ptr=meta.query_start_loc, prefix_lens_ptr=meta.prefix_lens,
+        block_tables_ptr=meta.block_tables, residual_slots_ptr=meta.residual_slots,
+        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_vt=v.stride(0),
+        stride_ot=out.stride(0), stride_oh=out.stride(1), stride_bt=meta.block_tables.stride(0),
+        page_stride=L.block_bytes, layer_off=layer * L.layer_bytes,
+        slot_stride=res.stride(0), res_layer_off=layer * res.stride(1),
+        qk_scale=scale * LOG2E,
+        V_OFF=L.v_data_offset, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset,
+        FMT=fmt, HAS_SCALE=fmt in (FMT_E4M3, FMT_E5M2, FMT_INT8), KVH=L.kv_heads, G=G,
+        BS=L.block_size, D=D, BLOCK_M=block_m, TOK_PER_TILE=tok_per_tile, BLOCK_N=block_n,
+        SPLITS=splits, DOT=_dot_dtype(fmt, q), num_warps=num_warps, num_stages=num_stages,
+    )
+    if splits > 1:
+        reduce_splits_kernel[(T, H)](
+            part_out_ptr=part_out, part_lse_ptr=part_lse, out_ptr=out,
+            stride_ot=out.stride(0), stride_oh=out.stride(1),
+            H=H, SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), D=D, num_warps=4)
+    return out

@@ -1,0 +1,37 @@
+"""`TritonBackend`: the GPU attention backend built on the fused Triton kernels.
+
+attend: `decode_attention` when every sequence has one new token, else `prefill_attention`.
+write: `cache_write.write_blocks` quantizes completed blocks into their pages (-1 ids skipped),
+then the leftover rows are copied to the residual slots (in that order: the kernel reads residual
+rows that the copy may overwrite).
+"""
+from __future__ import annotations
+
+import torch
+
+from kvmesh.kernels.backend import AttentionMetadata
+from kvmesh.kernels.cache_write import copy_to_residual, write_blocks
+from kvmesh.kernels.decode_attention import decode_attention
+from kvmesh.kernels.prefill_attention import prefill_attention
+from kvmesh.kv.pool import KVCache
+
+
+class TritonBackend:
+    """Implements `kvmesh.kernels.backend.AttentionBackend` with Triton kernels (GPU, or the
+    Triton interpreter on the CPU for tests)."""
+
+    name = "triton"
+
+    def attend(self, cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        k, v = k.contiguous(), v.contiguous()
+        if meta.is_decode:
+            return decode_attention(cache, layer, q, k, v, meta, scale)
+        return prefill_attention(cache, layer, q, k, v, meta, scale)
+
+    def write(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
+              meta: AttentionMetadata) -> None:
+        plan = meta.write
+        k, v = k.contiguous(), v.contiguous()
+        write_blocks(cache, layer, k, v, plan.block_rows, plan.block_ids)
+        copy_to_residual(cache, layer, k, v, plan.residual_src, plan.residual_dst)
