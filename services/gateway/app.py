@@ -1,0 +1,164 @@
+"""The gateway's aiohttp application: state, middlewares (auth, errors), worker health, `serve(cfg)`."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from aiohttp import web
+
+from kvmesh.gateway.config import GatewayConfig
+from kvmesh.gateway.dispatcher import Dispatcher
+from kvmesh.gateway.metrics import GatewayMetrics
+from kvmesh.gateway.openai_api import ApiError
+from kvmesh.gateway.router import Router
+from kvmesh.gateway.worker_client import WorkerClients
+from kvmesh.hashing import HashContext
+
+log = logging.getLogger("kvmesh.gateway")
+
+
+@dataclass
+class Gateway:
+    """Everything a handler needs; one per app (no module globals)."""
+
+    cfg: GatewayConfig
+    tokenizer: Any  # kvmesh.model.tokenizer.Tokenizer
+    index: Any  # kvmesh.index.PrefixIndex
+    model_id: str
+    max_model_len: int
+    router: Router
+    clients: WorkerClients
+    metrics: GatewayMetrics
+    dispatcher: Dispatcher
+    active: int = 0
+
+    @property
+    def served_name(self) -> str:
+        return self.cfg.model_names[0]
+
+    def hash_context(self, cache_salt: str) -> HashContext:
+        return HashContext(self.model_id, self.cfg.kv_dtype(), self.cfg.block_size, cache_salt)
+
+    def check_model(self, model: Optional[str]) -> None:
+        if model is not None and model not in self.cfg.model_names:
+            raise ApiError(404, f"The model `{model}` does not exist.", param="model",
+                           code="model_not_found")
+
+
+GATEWAY = web.AppKey("gateway", Gateway)
+
+
+def error_response(e: ApiError) -> web.Response:
+    return web.json_response(e.body(), status=e.status)
+
+
+_OPEN_PATHS = ("/health", "/metrics", "/ping")
+
+
+@web.middleware
+async def errors_and_auth(request: web.Request, handler):
+    gw = request.app[GATEWAY]
+    try:
+        key = gw.cfg.api_key
+        if key and request.path not in _OPEN_PATHS:
+            auth = request.headers.get("Authorization", "")
+            if auth != f"Bearer {key}":
+                raise ApiError(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
+                               type="authentication_error", code="invalid_api_key")
+        return await handler(request)
+    except ApiError as e:
+        gw.metrics.lab(gw.metrics.request_errors, status=str(e.status)).inc()
+        return error_response(e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        # aiohttp's own 404/405 etc., in OpenAI's shape
+        err = ApiError(e.status, e.reason or "error", type="invalid_request_error")
+        return error_response(err)
+
+
+async def read_json(request: web.Request) -> Any:
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+
+
+async def _health_loop(gw: Gateway) -> None:
+    while True:
+        for client in gw.clients:
+            ok = await client.healthy(timeout=min(1.0, gw.cfg.health_interval_s))
+            if gw.router.workers[client.address].healthy != ok:
+                log.warning("worker %s is now %s", client.address, "up" if ok else "down")
+            gw.router.mark(client.address, ok)
+        await asyncio.sleep(gw.cfg.health_interval_s)
+
+
+def build_app(cfg: GatewayConfig, *, tokenizer: Any = None, index: Any = None,
+              model_id: Optional[str] = None, max_model_len: Optional[int] = None,
+              rng: Optional[random.Random] = None, health_checks: bool = True) -> web.Application:
+    """The app; the tokenizer, index and model facts load from `cfg` unless given (tests pass theirs)."""
+    from kvmesh.gateway import handlers  # handlers import this module for GATEWAY
+
+    if tokenizer is None:
+        from kvmesh.model.tokenizer import Tokenizer
+        tokenizer = Tokenizer.from_model(cfg.model)
+    if model_id is None:
+        from kvmesh.model.config import model_identity
+        model_id = model_identity(cfg.model)
+    if max_model_len is None:
+        max_model_len = cfg.max_model_len
+    if max_model_len is None:
+        from kvmesh.model.config import load_model_config
+        max_model_len = load_model_config(cfg.model).max_position_embeddings
+    if index is None:
+        from kvmesh.index import make_index
+        index = make_index(cfg.redis_url)
+    router = Router(cfg.prefill, cfg.decode, block_size=cfg.block_size, alpha=cfg.route_alpha,
+                    beta=cfg.route_beta, store_weight=cfg.route_store_weight,
+                    tolerance=cfg.route_tolerance, prefill_threshold_tokens=cfg.prefill_threshold_tokens,
+                    rng=rng)
+    clients = WorkerClients(list(cfg.prefill) + list(cfg.decode))
+    metrics = GatewayMetrics(cfg.model_names[0])
+    gw = Gateway(cfg=cfg, tokenizer=tokenizer, index=index, model_id=model_id,
+                 max_model_len=max_model_len, router=router, clients=clients, metrics=metrics,
+                 dispatcher=Dispatcher(router, clients, metrics, timeout_s=cfg.request_timeout_s))
+    app = web.Application(middlewares=[errors_and_auth], client_max_size=64 * 1024 * 1024)
+    app[GATEWAY] = gw
+    handlers.add_routes(app)
+
+    async def lifecycle(app: web.Application):
+        task = asyncio.create_task(_health_loop(gw)) if health_checks else None
+        yield
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await clients.close()
+        await index.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app
+
+
+async def serve(cfg: GatewayConfig, *, ready: Optional[asyncio.Future] = None, **app_kwargs) -> None:
+    """Serve until cancelled. `ready` (optional) gets the bound port once listening."""
+    app = build_app(cfg, **app_kwargs)
+    # handler_cancellation: a client that disconnects cancels its handler, hence its gRPC calls.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # the real port when cfg.port is 0
+    log.info("kvmesh gateway on http://%s:%d/v1 (model %s)", cfg.host, port, cfg.model_names[0])
+    print(f"kvmesh gateway listening on http://{cfg.host}:{port}/v1", flush=True)
+    if ready is not None and not ready.done():
+        ready.set_result(port)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,211 @@
+"""One request's trip through the workers: index lookup, route, prefill hop or not, token stream back.
+
+`Dispatcher.run` yields `Delta`s of all n choices merged, in arrival order. Closing the iterator (a
+client that went away) cancels every gRPC call still open, which makes the decode worker abort the
+request and free its blocks. A worker that is unreachable before it produced anything is marked
+down and the choice is routed again; capacity errors become 429, bad input 400.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional, Sequence
+
+import grpc
+
+from kvmesh.gateway.metrics import GatewayMetrics
+from kvmesh.gateway.openai_api import ApiError, Sampling
+from kvmesh.gateway.router import NoWorkerError, RouteDecision, Router
+from kvmesh.gateway.worker_client import WorkerClients
+from kvmesh.wire import kvmesh_pb2 as pb
+
+
+@dataclass
+class Delta:
+    """New output of one choice."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # pb.TokenLogprob per token, when asked
+    finish_reason: Optional[str] = None
+    num_prompt_tokens: Optional[int] = None  # set once per choice, on its first delta
+    num_cached_tokens: Optional[int] = None
+    prompt_logprobs: Optional[list] = None  # pb.TokenLogprob per prompt token (first may be absent)
+
+
+_GRPC_TO_HTTP = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_exceeded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (503, "timeout"),
+}
+
+
+def api_error_from_grpc(e: grpc.aio.AioRpcError, address: str) -> ApiError:
+    status, kind = _GRPC_TO_HTTP.get(e.code(), (500, "internal_error"))
+    return ApiError(status, f"worker {address}: {e.details() or e.code().name}", type=kind)
+
+
+def sampling_pb(s: Sampling, *, seed: Optional[int], max_tokens: int) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, max_tokens=max_tokens,
+        min_tokens=s.min_tokens, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty,
+        include_stop_str_in_output=s.include_stop_str_in_output)
+    if seed is not None:
+        msg.seed = seed
+    if s.logprobs is not None:
+        msg.logprobs = s.logprobs
+    if s.prompt_logprobs is not None:
+        msg.prompt_logprobs = s.prompt_logprobs
+    return msg
+
+
+class Dispatcher:
+    def __init__(self, router: Router, clients: WorkerClients, metrics: GatewayMetrics, *,
+                 timeout_s: float) -> None:
+        self.router = router
+        self.clients = clients
+        self.metrics = metrics
+        self.timeout_s = timeout_s
+
+    async def run(self, request_id: str, prompt_ids: Sequence[int], hashes: Sequence[bytes],
+                  holders: Sequence[frozenset[str]], sampling: Sampling, *, n: int, max_tokens: int,
+                  cache_salt: str, index_base: int = 0) -> AsyncIterator[Delta]:
+        """Merged deltas of n choices (indices index_base + 0..n-1); raises ApiError on failure."""
+        its = [self._choice(index_base + i, f"{request_id}-{index_base + i}", prompt_ids, hashes,
+                            holders, sampling, max_tokens, cache_salt) for i in range(n)]
+        async for d in merge(its):
+            yield d
+
+    async def _choice(self, index: int, request_id: str, prompt_ids: Sequence[int],
+                      hashes: Sequence[bytes], holders: Sequence[frozenset[str]], s: Sampling,
+                      max_tokens: int, cache_salt: str) -> AsyncIterator[Delta]:
+        seed = None if s.seed is None else (s.seed + index) % 2**63  # distinct samples per choice
+        params = sampling_pb(s, seed=seed, max_tokens=max_tokens)
+        tried: set[str] = set()
+        while True:
+            try:
+                decision = self.router.route(len(prompt_ids), hashes, holders)
+            except NoWorkerError as e:
+                raise ApiError(503, str(e), type="service_unavailable") from None
+            self.metrics.decision(decision.reason, decision.predicted_hit_tokens)
+            produced = False
+            try:
+                async for d in self._attempt(index, request_id, prompt_ids, decision, params, cache_salt):
+                    produced = True
+                    yield d
+                return
+            except _WorkerDown as e:
+                # Nothing reached the client yet: route around the dead worker.
+                if produced or e.address in tried:
+                    raise api_error_from_grpc(e.error, e.address) from None
+                tried.add(e.address)
+                self.router.mark(e.address, False)
+
+    async def _attempt(self, index: int, request_id: str, prompt_ids: Sequence[int],
+                       decision: RouteDecision, params: pb.SamplingParams,
+                       cache_salt: str) -> AsyncIterator[Delta]:
+        refs = [pb.BlockRef(hash=h, node=node) for h, node in decision.cached_blocks]
+        predicted = decision.predicted_hit_tokens
+        first = True
+        self.router.begin(decision.decode)
+        try:
+            if decision.prefill is not None:
+                self.metrics.lab(self.metrics.router_prefill_hops).inc()
+                reply = await self._prefill(decision.prefill, pb.PrefillRequest(
+                    request_id=request_id, prompt_token_ids=list(prompt_ids), sampling=params,
+                    num_cached_blocks=decision.hit_blocks, cache_salt=cache_salt, cached_blocks=refs))
+                # The decode stream repeats the first token, so one stream is forwarded either way.
+                req = pb.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt_ids),
+                                         sampling=params, cache_salt=cache_salt, prefilled=reply)
+            else:
+                req = pb.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt_ids),
+                                         sampling=params, cache_salt=cache_salt, do_prefill=True,
+                                         cached_blocks=refs)
+            call = self.clients[decision.decode].generate(req, timeout=self.timeout_s)
+            try:
+                async for chunk in call:
+                    d = Delta(index=index, text=chunk.text, token_ids=list(chunk.token_ids),
+                              logprobs=list(chunk.logprobs), finish_reason=chunk.finish_reason or None)
+                    if first:
+                        first = False
+                        d.num_prompt_tokens = chunk.num_prompt_tokens or len(prompt_ids)
+                        d.num_cached_tokens = chunk.num_cached_tokens
+                        if params.HasField("prompt_logprobs"):
+                            d.prompt_logprobs = list(chunk.prompt_logprobs)
+                        self.metrics.prompt_done(len(prompt_ids), chunk.num_cached_tokens, predicted)
+                    yield d
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE and first:
+                    raise _WorkerDown(decision.decode, e) from None
+                raise api_error_from_grpc(e, decision.decode) from None
+            finally:
+                call.cancel()  # no-op when finished; aborts the request on the worker otherwise
+        finally:
+            self.router.end(decision.decode)
+
+    async def _prefill(self, address: str, req: pb.PrefillRequest) -> pb.PrefillReply:
+        self.router.begin(address)
+        try:
+            return await self.clients[address].prefill(req, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                raise _WorkerDown(address, e) from None
+            raise api_error_from_grpc(e, address) from None
+        finally:
+            self.router.end(address)
+
+
+class _WorkerDown(Exception):
+    def __init__(self, address: str, error: grpc.aio.AioRpcError) -> None:
+        super().__init__(address)
+        self.address = address
+        self.error = error
+
+
+async def merge(its: list) -> AsyncIterator:
+    """Items of several async iterators in arrival order; the first failure (or our own closing)
+    cancels the rest, which closes their gRPC calls."""
+    if len(its) == 1:
+        try:
+            async for x in its[0]:
+                yield x
+        finally:
+            await its[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done_marker = object()
+
+    async def pump(it) -> None:
+        try:
+            async for x in it:
+                await queue.put(x)
+            await queue.put(done_marker)
+        except Exception as e:  # handed to the reader, who re-raises it
+            await queue.put(e)
+
+    tasks = [asyncio.create_task(pump(it)) for it in its]
+    try:
+        done = 0
+        while done < len(tasks):
+            item = await queue.get()
+            if item is done_marker:
+                done += 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"

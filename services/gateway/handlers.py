@@ -1,0 +1,315 @@
+"""HTTP handlers: /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /health, /metrics."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from aiohttp import web
+
+from kvmesh.gateway import responses as R
+from kvmesh.gateway import sse
+from kvmesh.gateway.app import GATEWAY, Gateway, error_response, read_json
+from kvmesh.gateway.dispatcher import merge, new_request_id
+from kvmesh.gateway.openai_api import (ApiError, CommonRequest, parse_chat, parse_completion,
+                                       parse_detokenize, parse_tokenize)
+from kvmesh.hashing import block_hashes
+
+log = logging.getLogger("kvmesh.gateway")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One prompt of a request, tokenized and checked."""
+
+    ids: tuple[int, ...]
+    text: str  # the prompt as text (echo)
+    max_tokens: int  # sent to the worker
+    score_only: bool  # echo with max_tokens 0: the worker's one token is dropped
+
+
+def token_text(gw: Gateway, token_id: int) -> str:
+    return gw.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def make_job(gw: Gateway, ids: list[int], text: str, common: CommonRequest, param: str) -> Job:
+    if not ids:
+        raise ApiError(400, f"{param} is empty after tokenization", param=param)
+    vocab = gw.tokenizer.vocab_size
+    bad_ids = [t for t in ids if t >= vocab]
+    if bad_ids:
+        raise ApiError(400, f"{param} holds token id {bad_ids[0]} outside the vocabulary "
+                            f"(size {vocab})", param=param)
+    p, m = len(ids), gw.max_model_len
+    asked = common.sampling.max_tokens
+    max_tokens = asked if asked is not None else m - p
+    if p + max(max_tokens, 0) > m or (asked is None and p >= m):
+        out = max(max_tokens, 0)
+        raise ApiError(400, f"This model's maximum context length is {m} tokens (--max-model-len). "
+                            f"However, you requested {p + out} tokens ({p} in the {param}, "
+                            f"{out} in the completion). Please reduce the length of the "
+                            f"{param} or completion.", param=param, code="context_length_exceeded")
+    score_only = max_tokens == 0
+    return Job(ids=tuple(ids), text=text, max_tokens=1 if score_only else max_tokens,
+               score_only=score_only)
+
+
+async def _lookup(gw: Gateway, ids: tuple[int, ...], cache_salt: str):
+    hashes = block_hashes(ids, gw.hash_context(cache_salt))
+    if not hashes:
+        return hashes, []
+    try:
+        holders = await gw.index.lookup(hashes)  # one round trip for the whole prompt
+    except Exception as e:  # a dead index only costs cache hits, never the request
+        log.warning("prefix index lookup failed (%s); routing as a miss", e)
+        holders = [frozenset()] * len(hashes)
+    return hashes, holders
+
+
+async def _deltas(gw: Gateway, jobs: list[Job], common: CommonRequest, rid: str):
+    """Merged deltas of every job's n choices (choice index = job * n + j)."""
+    its = []
+    for k, job in enumerate(jobs):
+        hashes, holders = await _lookup(gw, job.ids, common.cache_salt)
+        its.append(gw.dispatcher.run(rid, job.ids, hashes, holders, common.sampling, n=common.n,
+                                     max_tokens=job.max_tokens, cache_salt=common.cache_salt,
+                                     index_base=k * common.n))
+    async for d in merge(its):
+        yield d
+
+
+class _Timing:
+    """Request-level latency metrics and the waiting/running gauges."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.m = gw.metrics
+        self.t0 = time.perf_counter()
+        self.last: dict[int, float] = {}
+        self.started = False
+        self.m.lab(self.m.waiting).inc()
+
+    def tokens(self, index: int, n_tokens: int) -> None:
+        now = time.perf_counter()
+        if not self.started:
+            self.started = True
+            self.m.lab(self.m.ttft).observe(now - self.t0)
+            self.m.lab(self.m.waiting).dec()
+            self.m.lab(self.m.running).inc()
+        elif index in self.last and n_tokens:
+            self.m.lab(self.m.itl).observe((now - self.last[index]) / n_tokens)
+        self.last[index] = now
+        self.m.lab(self.m.generation_tokens).inc(n_tokens)
+
+    def finish(self, states: list[R.ChoiceState]) -> None:
+        self.m.lab(self.m.running if self.started else self.m.waiting).dec()
+        self.m.lab(self.m.e2e).observe(time.perf_counter() - self.t0)
+        for s in states:
+            if s.finish_reason:
+                self.m.lab(self.m.request_success, finished_reason=s.finish_reason).inc()
+
+
+async def _generate(request: web.Request, gw: Gateway, jobs: list[Job], common: CommonRequest,
+                    chat: bool, want_logprobs: bool, echo: bool) -> web.StreamResponse:
+    if gw.active >= gw.cfg.max_num_requests:
+        raise ApiError(429, f"the gateway is at --max-num-requests ({gw.cfg.max_num_requests}); "
+                            "retry later", type="rate_limit_exceeded")
+    gw.active += 1
+    rid = new_request_id("chatcmpl" if chat else "cmpl")
+    model, created = gw.served_name, int(time.time())
+    n_choices = len(jobs) * common.n
+    states = [R.ChoiceState(index=i) for i in range(n_choices)]
+    timing = _Timing(gw)
+    it = _deltas(gw, jobs, common, rid)
+    try:
+        if not common.stream:
+            async for d in it:
+                job = jobs[d.index // common.n]
+                if job.score_only:
+                    d.text, d.token_ids, d.logprobs = "", [], []
+                timing.tokens(d.index, len(d.token_ids))
+                states[d.index].add(d)
+            for s in states:
+                if jobs[s.index // common.n].score_only:
+                    s.finish_reason = "length"
+            return web.json_response(_final(gw, rid, model, jobs, states, common, chat,
+                                             want_logprobs, echo))
+        return await _stream(request, gw, it, rid, model, created, jobs, states, common, chat,
+                             want_logprobs, echo, timing)
+    finally:
+        await it.aclose()  # closes every open gRPC call: the workers abort and free blocks
+        gw.active -= 1
+        timing.finish(states)
+
+
+def _final(gw: Gateway, rid: str, model: str, jobs: list[Job], states: list[R.ChoiceState],
+           common: CommonRequest, chat: bool, want_logprobs: bool, echo: bool) -> dict:
+    tt = lambda t: token_text(gw, t)  # noqa: E731
+    if chat:
+        return R.chat_response(rid, model, states, want_logprobs, tt)
+    choices = []
+    for s in states:
+        job = jobs[s.index // common.n]
+        prefix = job.text if echo else ""
+        lp = None
+        if want_logprobs:
+            lp = R.completion_logprobs(list(job.ids) if echo else None, s.prompt_logprobs,
+                                       s.logprobs, tt)
+        choices.append({"index": s.index, "text": prefix + s.text, "logprobs": lp,
+                        "finish_reason": s.finish_reason or "stop"})
+    # prompt usage counted once per prompt, as OpenAI does for n > 1
+    firsts = [states[k * common.n] for k in range(len(jobs))]
+    u = R.usage(sum(len(j.ids) for j in jobs), sum(len(s.token_ids) for s in states),
+                sum(s.num_cached_tokens for s in firsts))
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": u}
+
+
+async def _stream(request, gw, it, rid, model, created, jobs, states, common, chat, want_logprobs,
+                  echo, timing) -> web.StreamResponse:
+    tt = lambda t: token_text(gw, t)  # noqa: E731
+    uf = common.include_usage
+    try:
+        first = await it.__anext__()  # errors before any output still get a proper status code
+    except StopAsyncIteration:
+        first = None
+    resp = await sse.open_stream(request)
+    if chat:
+        for s in states:  # OpenAI opens every choice with the role
+            await resp.write(sse.event(R.chat_chunk(rid, model, created, s.index,
+                                                    {"role": "assistant", "content": ""},
+                                                    with_usage_field=uf)))
+
+    async def emit(d) -> None:
+        s = states[d.index]
+        was_new = s.num_prompt_tokens == 0 and d.num_prompt_tokens is not None
+        timing.tokens(d.index, len(d.token_ids))
+        s.add(d)
+        if chat:
+            if d.text or d.logprobs:
+                lp = R.chat_logprobs(d.logprobs, tt) if want_logprobs else None
+                await resp.write(sse.event(R.chat_chunk(rid, model, created, d.index,
+                                                        {"content": d.text}, logprobs=lp,
+                                                        with_usage_field=uf)))
+            if d.finish_reason:
+                await resp.write(sse.event(R.chat_chunk(rid, model, created, d.index, {},
+                                                        finish_reason=d.finish_reason,
+                                                        with_usage_field=uf)))
+            return
+        job = jobs[d.index // common.n]
+        text = (job.text if echo and was_new else "") + d.text
+        lp = None
+        if want_logprobs:
+            lp = R.completion_logprobs(list(job.ids) if echo and was_new else None,
+                                       d.prompt_logprobs, d.logprobs, tt)
+        await resp.write(sse.event(R.completion_chunk(rid, model, created, d.index, text,
+                                                      finish_reason=d.finish_reason, logprobs=lp,
+                                                      with_usage_field=uf)))
+
+    try:
+        if first is not None:
+            await emit(first)
+            async for d in it:
+                await emit(d)
+        if uf:
+            firsts = [states[k * common.n] for k in range(len(jobs))]
+            u = R.usage(sum(len(j.ids) for j in jobs), sum(len(s.token_ids) for s in states),
+                        sum(s.num_cached_tokens for s in firsts))
+            obj = "chat.completion.chunk" if chat else "text_completion"
+            await resp.write(sse.event(R.usage_chunk(rid, model, created, obj, u)))
+    except ApiError as e:  # mid-stream failure: the status is sent already, so say it in-band
+        await resp.write(sse.event(e.body()))
+    await resp.write(sse.DONE)
+    await resp.write_eof()
+    return resp
+
+
+# ---------------------------------------------------------------------------------------------
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    gw = request.app[GATEWAY]
+    req = parse_chat(await read_json(request))
+    gw.check_model(req.common.model)
+    text = gw.tokenizer.apply_chat_template([dict(m) for m in req.messages],
+                                            add_generation_prompt=req.add_generation_prompt)
+    # the template already holds BOS where the model wants one
+    ids = gw.tokenizer.encode(text, add_special_tokens=False)
+    job = make_job(gw, ids, text, req.common, "messages")
+    return await _generate(request, gw, [job], req.common, chat=True,
+                           want_logprobs=req.common.sampling.logprobs is not None, echo=False)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    gw = request.app[GATEWAY]
+    req = parse_completion(await read_json(request))
+    gw.check_model(req.common.model)
+    jobs = []
+    for i, p in enumerate(req.prompts):
+        param = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
+        if isinstance(p, str):
+            ids, text = gw.tokenizer.encode(p, add_special_tokens=True), p
+        else:
+            ids, text = list(p), gw.tokenizer.decode(list(p), skip_special_tokens=False)
+        jobs.append(make_job(gw, ids, text, req.common, param))
+    return await _generate(request, gw, jobs, req.common, chat=False,
+                           want_logprobs=req.common.sampling.logprobs is not None, echo=req.echo)
+
+
+async def models(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    data = [{"id": name, "object": "model", "created": 0, "owned_by": "kvmesh", "root": gw.cfg.model,
+             "parent": None, "max_model_len": gw.max_model_len} for name in gw.cfg.model_names]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    req = parse_tokenize(await read_json(request))
+    gw.check_model(req["model"])
+    if "chat" in req:
+        text = gw.tokenizer.apply_chat_template([dict(m) for m in req["chat"]],
+                                                add_generation_prompt=req["add_generation_prompt"])
+    else:
+        text = req["prompt"]
+    ids = gw.tokenizer.encode(text, add_special_tokens=req["add_special_tokens"])
+    strs = gw.tokenizer.convert_ids_to_tokens(ids) if req["return_token_strs"] else None
+    return web.json_response({"count": len(ids), "max_model_len": gw.max_model_len, "tokens": ids,
+                              "token_strs": strs})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    body = await read_json(request)
+    tokens = parse_detokenize(body)
+    gw.check_model(body.get("model"))
+    vocab = gw.tokenizer.vocab_size
+    if any(t >= vocab for t in tokens):
+        raise ApiError(400, f"tokens holds an id outside the vocabulary (size {vocab})", param="tokens")
+    return web.json_response({"prompt": gw.tokenizer.decode(list(tokens))})
+
+
+async def health(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    workers = {w.address: {"role": w.role, "healthy": w.healthy, "in_flight": w.in_flight}
+               for w in gw.router.workers.values()}
+    ok = bool(gw.router.healthy("decode"))
+    return web.json_response({"status": "ok" if ok else "no healthy decode worker", "workers": workers},
+                             status=200 if ok else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body, content_type = request.app[GATEWAY].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+async def not_found(request: web.Request) -> web.Response:
+    return error_response(ApiError(404, f"no route {request.method} {request.path}", code="not_found"))
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)

@@ -1,0 +1,61 @@
+"""gRPC clients of the prefill and decode workers (kvmesh.v1.Prefill / kvmesh.v1.Decode), plus health.
+
+One channel per worker address, kept for the gateway's life. `generate` returns the live call so
+the caller can cancel it: cancelling the call is what tells the decode worker to abort and free
+the request's blocks.
+"""
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvmesh.wire import kvmesh_pb2 as pb
+from kvmesh.wire import kvmesh_pb2_grpc as pb_grpc
+
+# Prefill replies carry the prompt's full-precision tail KV: allow large messages.
+_MAX_MSG = 256 * 1024 * 1024
+CHANNEL_OPTIONS = (("grpc.max_send_message_length", _MAX_MSG),
+                   ("grpc.max_receive_message_length", _MAX_MSG),
+                   ("grpc.keepalive_time_ms", 20000))
+
+
+class WorkerClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._prefill = pb_grpc.PrefillStub(self.channel)
+        self._decode = pb_grpc.DecodeStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    async def prefill(self, req: pb.PrefillRequest, timeout: float) -> pb.PrefillReply:
+        return await self._prefill.Prefill(req, timeout=timeout)
+
+    def generate(self, req: pb.GenerateRequest, timeout: float) -> grpc.aio.UnaryStreamCall:
+        return self._decode.Generate(req, timeout=timeout)
+
+    async def healthy(self, timeout: float = 1.0) -> bool:
+        try:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class WorkerClients:
+    """Address -> client for every configured worker."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        self._clients = {a: WorkerClient(a) for a in addresses}
+
+    def __getitem__(self, address: str) -> WorkerClient:
+        return self._clients[address]
+
+    def __iter__(self):
+        return iter(self._clients.values())
+
+    async def close(self) -> None:
+        for c in self._clients.values():
+            await c.close()
