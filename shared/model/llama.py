@@ -1,0 +1,158 @@
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, SmolLM2) over a flattened varlen batch.
+
+The batch is one run of T new tokens (sequence after sequence, as `AttentionMetadata.query_start_loc`
+says); each layer computes q/k/v with one fused matmul, applies RoPE, lets the attention backend
+attend to (cached prefix ++ new tokens) and then write the new K/V into the paged cache.
+Weights are loaded by HF parameter names (`load_hf_weights`), fused as they arrive.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvmesh.kernels.backend import AttentionBackend, AttentionMetadata
+from kvmesh.kv.pool import KVCache
+from kvmesh.model.config import ModelConfig
+from kvmesh.model.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, dim]
+        # statistics in float32, as HF does, then scale in the model dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.scale = self.d ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) * D]
+        q, k, v = qkv.split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
+        q = RotaryEmbedding.apply(q.view(T, self.h, self.d), cos, sin)  # [T, H, D]
+        k = RotaryEmbedding.apply(k.view(T, self.kvh, self.d), cos, sin)  # [T, KVH, D]
+        v = v.reshape(T, self.kvh, self.d)  # [T, KVH, D] (contiguous copy of the split)
+        out = backend.attend(cache, self.layer, q, k, v, meta, self.scale)  # [T, H, D]
+        backend.write(cache, self.layer, k, v, meta)
+        return self.o_proj(out.reshape(T, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions: int [T] -> final-normed hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)  # [T, 1, D]
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta, cache, backend)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits float32 [N, vocab]."""
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w).float()
+
+    # -- weights --------------------------------------------------------------------------------
+
+    def _hf_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """HF parameter name -> (our tensor, first row, rows): where each HF tensor lands."""
+        cfg = self.config
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        t: dict[str, tuple[torch.Tensor, int, int]] = {
+            "model.embed_tokens.weight": (self.embed_tokens.weight, 0, cfg.vocab_size),
+            "model.norm.weight": (self.norm.weight, 0, cfg.hidden_size),
+        }
+        if self.lm_head is not None:
+            t["lm_head.weight"] = (self.lm_head.weight, 0, cfg.vocab_size)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a, m = layer.self_attn, layer.mlp
+            for name, first, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
+                t[f"{p}self_attn.{name}.weight"] = (a.qkv_proj.weight, first, rows)
+                if a.qkv_proj.bias is not None:
+                    t[f"{p}self_attn.{name}.bias"] = (a.qkv_proj.bias, first, rows)
+            t[f"{p}self_attn.o_proj.weight"] = (a.o_proj.weight, 0, cfg.hidden_size)
+            if a.o_proj.bias is not None:
+                t[f"{p}self_attn.o_proj.bias"] = (a.o_proj.bias, 0, cfg.hidden_size)
+            t[f"{p}mlp.gate_proj.weight"] = (m.gate_up_proj.weight, 0, cfg.intermediate_size)
+            t[f"{p}mlp.up_proj.weight"] = (m.gate_up_proj.weight, cfg.intermediate_size, cfg.intermediate_size)
+            t[f"{p}mlp.down_proj.weight"] = (m.down_proj.weight, 0, cfg.hidden_size)
+            t[f"{p}input_layernorm.weight"] = (layer.input_layernorm.weight, 0, cfg.hidden_size)
+            t[f"{p}post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, 0, cfg.hidden_size)
+        return t
+
+    @torch.no_grad()
+    def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
+        """Copies HF-named tensors into the (fused) parameters; raises ValueError naming any tensor
+        that is missing, unexpected or of the wrong shape."""
+        targets = self._hf_targets()
+        seen: set[str] = set()
+        for name, w in weights:
+            if name not in targets:
+                if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
+                    continue  # derived from the config / tied to the embedding
+                raise ValueError(f"{source}: unexpected tensor {name!r}")
+            dst, first, rows = targets[name]
+            want = (rows,) + tuple(dst.shape[1:])
+            if tuple(w.shape) != want:
+                raise ValueError(f"{source}: tensor {name!r} has shape {tuple(w.shape)}, expected {want}")
+            dst[first:first + rows].copy_(w)
+            seen.add(name)
+        missing = sorted(set(targets) - seen)
+        if missing:
+            raise ValueError(f"{source}: missing tensors {missing[:5]}"
+                             f"{' and %d more' % (len(missing) - 5) if len(missing) > 5 else ''}")
