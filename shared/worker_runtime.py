@@ -107,7 +107,8 @@ class WorkerRuntime:
     async def publish_events(self) -> None:
         """Drain the engine's stored/removed events, track them, publish them under `holder`."""
         async with self._publish_lock:
-            events = self.engine.engine.drain_kv_events()
+            # On the engine thread, between steps: the engine itself is single-threaded.
+            events = await self.engine.run(lambda e: e.drain_kv_events())
             stored: list[bytes] = []
             removed: list[bytes] = []
             for kind, h in events:
@@ -124,7 +125,7 @@ class WorkerRuntime:
         while True:
             try:
                 await self.publish_events()
-                self.metrics.update_from_engine_stats(self.engine.engine.stats())
+                self.metrics.update_from_engine_stats(await self.engine.run(lambda e: e.stats()))
             except asyncio.CancelledError:
                 raise
             except Exception:  # the index is advisory: log and keep serving

@@ -4,8 +4,9 @@ One Generate call:
  1. pulls the prompt's blocks (the prefill reply's handles, or with do_prefill the gateway's cached
     prefix) from the kvstore into the local pool as raw pages (no re-quantization), leased in flight;
  2. resumes from the prefill reply (first token + full-precision tail) or prefills itself;
- 3. streams GenerateChunk deltas. The stream carries the *whole* completion: when resuming, the
-    first chunk repeats the prefill worker's first token, so callers forward one stream either way;
+ 3. streams GenerateChunk deltas of what the caller has not seen: when resuming, the prefill
+    reply already delivered the first token (and the prompt logprobs), so the stream starts after it;
+    with do_prefill it carries everything, the prompt logprobs in the first chunk;
  4. on finish, puts the newly filled full blocks (prompt tail + generated text) to the kvstore and
     publishes, so the next turn of the conversation hits on any worker. The put runs to completion
     even when the caller stops reading after the last chunk.
@@ -78,7 +79,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             span.set_attribute("kvmesh.do_prefill", not resuming)
 
             if resuming and request.prefilled.finish_reason:
-                # The first token already ended the request: nothing to generate.
+                # The first token already ended the request: nothing left to generate.
                 yield self._finished_at_first(request)
                 return
 
@@ -88,7 +89,12 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             span.set_attribute("kvmesh.missing_blocks", pulled.missing)
             resume = convert.resume_from_prefill(request.prefilled, params.logprobs is not None) if resuming else None
 
-            sent_tokens, sent_text, last_token_at = 0, "", None
+            # What the caller already has: the prefill reply's first token when resuming.
+            if resuming:
+                sent_tokens, sent_text = len(resume.output_token_ids), request.prefilled.first_text
+            else:
+                sent_tokens, sent_text = 0, ""
+            last_token_at = None
             final = None
             try:
                 async with contextlib.aclosing(self.engine.generate(
@@ -110,19 +116,19 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                             self.metrics.inter_token_latency_seconds.observe((now - last_token_at) / len(new_ids))
                         last_token_at = now
                         chunk = pb.GenerateChunk(
-                            token_ids=new_ids, text=comp.text[len(sent_text):],
+                            token_ids=new_ids, text=_text_delta(sent_text, comp.text),
                             logprobs=convert.logprobs_to_proto((comp.logprobs or [])[sent_tokens:]),
                             finish_reason=comp.finish_reason or "",
                             num_prompt_tokens=len(prompt),
                             num_cached_tokens=self._cached_tokens(request, out))
                         if sent_tokens == 0:
-                            chunk.prompt_logprobs.extend(
-                                request.prefilled.prompt_logprobs if resuming
-                                else convert.prompt_logprobs_to_proto(out.prompt_logprobs))
+                            chunk.prompt_logprobs.extend(convert.prompt_logprobs_to_proto(out.prompt_logprobs))
                         sent_tokens, sent_text = len(comp.token_ids), comp.text
                         yield chunk
             except ValueError as e:  # bad prompt/params for this engine (e.g. too long for --max-model-len)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except RuntimeError as e:  # the engine failed the step or is stopping
+                await context.abort(grpc.StatusCode.INTERNAL, f"request {rid} failed: {e}")
             self.metrics.e2e_request_latency_seconds.observe(time.perf_counter() - start)
             span.set_attribute("kvmesh.generated_tokens", sent_tokens)
             if final is not None and final.kv_export is not None:
@@ -145,13 +151,13 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     @staticmethod
     def _finished_at_first(request: pb.GenerateRequest) -> pb.GenerateChunk:
         p = request.prefilled
-        chunk = pb.GenerateChunk(token_ids=[p.first_token], text=p.first_text, finish_reason=p.finish_reason,
-                                 num_prompt_tokens=len(request.prompt_token_ids),
-                                 num_cached_tokens=p.num_cached_tokens)
-        if request.sampling.HasField("logprobs") and p.HasField("first_logprob"):
-            chunk.logprobs.append(p.first_logprob)
-        chunk.prompt_logprobs.extend(p.prompt_logprobs)
-        return chunk
+        return pb.GenerateChunk(finish_reason=p.finish_reason, num_prompt_tokens=len(request.prompt_token_ids),
+                                num_cached_tokens=p.num_cached_tokens)
+
+
+def _text_delta(sent: str, text: str) -> str:
+    """The new part of the cumulative detokenized `text` (it only grows past what was sent)."""
+    return text[len(sent):]
 
 
 class DecodeWorker:

@@ -75,6 +75,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                         final = out
             except ValueError as e:  # bad prompt (empty, too long for --max-model-len, ...)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except RuntimeError as e:  # the engine failed the step or is stopping
+                await context.abort(grpc.StatusCode.INTERNAL, f"prefill of {rid} failed: {e}")
             if final is None or getattr(final, "error", None) or final.kv_export is None:
                 why = getattr(final, "error", None) or "engine returned no KV export"
                 await context.abort(grpc.StatusCode.INTERNAL, f"prefill of {rid} failed: {why}")
@@ -93,7 +95,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             if comp.finish_reason == "stop" or (comp.finish_reason and params.max_tokens == 1):
                 finish = comp.finish_reason
             reply = pb.PrefillReply(
-                first_token=comp.token_ids[0], first_text=comp.text,
+                first_token=comp.token_ids[0], first_text=_visible_text(comp.text, params.stop, bool(finish)),
                 blocks=convert.block_refs_to_proto(
                     convert.BlockRef(b.hash, node_for(b.hash, self.nodes)) for b in export.blocks),
                 tail=convert.tail_to_proto(convert.tail_from_export(export)),
@@ -106,6 +108,13 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             if finish:
                 self.metrics.e2e_request_latency_seconds.observe(time.perf_counter() - start)
             return reply
+
+
+def _visible_text(text: str, stop: Optional[list[str]], finished: bool) -> str:
+    """The first token's text the caller may show. While the request goes on, hold back what could
+    start a stop string (as the engine does), or the decode stream could not take it back."""
+    hold = max((len(s) for s in stop or ()), default=1) - 1
+    return text if finished or not hold else text[:max(0, len(text) - hold)]
 
 
 class PrefillWorker:

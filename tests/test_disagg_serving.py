@@ -1,0 +1,253 @@
+"""Disaggregated serving end to end on the CPU: real gRPC on loopback, a real kvstore node in-process,
+SmolLM2 in every engine. The test plays the gateway (hashes, index lookup, prefill hop, decode stream).
+
+- prefill -> kvstore -> decode greedy output equals single-process kvmesh.LLM, for fp32 and fp8 KV;
+- a second conversation turn hits, on another decode worker, the blocks the first turn's decode
+  worker wrote;
+- cancelling a Generate stream frees the request's blocks at once;
+- a short prompt with do_prefill works without a prefill hop.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import time
+from dataclasses import dataclass
+
+import aiohttp
+import grpc
+import pytest
+import pytest_asyncio
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvmesh.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvmesh.decode.config import DecodeConfig
+from kvmesh.decode.server import DecodeWorker
+from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.llm import LLM
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.hashing import block_hashes
+from kvmesh.index import MemoryIndex
+from kvmesh.kvstore.client import GrpcKVStoreClient
+from kvmesh.kvstore.config import KVStoreConfig
+from kvmesh.kvstore.server import KVStoreServer
+from kvmesh.prefill.config import PrefillConfig
+from kvmesh.prefill.server import PrefillWorker
+from kvmesh.wire import convert
+from kvmesh.wire import kvmesh_pb2 as pb
+from kvmesh.wire import kvmesh_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+BS = 16
+KV_MEMORY = 32 << 20  # per engine: ~45 fp32 pages of SmolLM2 (30 layers x 3 heads x 64)
+MAX_MODEL_LEN = 256
+
+
+def _engine_config(kv_dtype: str) -> EngineConfig:
+    return EngineConfig(model="smollm2", device="cpu",
+                        cache=CacheConfig(block_size=BS, kv_cache_dtype=kv_dtype, kv_cache_memory=KV_MEMORY),
+                        scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=MAX_MODEL_LEN))
+
+
+@dataclass
+class Stack:
+    kv_dtype: str
+    index: MemoryIndex
+    kvstore: KVStoreServer
+    prefill: PrefillWorker
+    decode: list[DecodeWorker]
+    reference: LLM
+    channels: list[grpc.aio.Channel]
+
+    def prefill_stub(self) -> pb_grpc.PrefillStub:
+        return pb_grpc.PrefillStub(self.channels[0])
+
+    def decode_stub(self, i: int) -> pb_grpc.DecodeStub:
+        return pb_grpc.DecodeStub(self.channels[1 + i])
+
+    def hashes(self, prompt: list[int]) -> list[bytes]:
+        return block_hashes(prompt, self.reference.llm_engine.hash_context())
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["auto", "fp8"])
+async def stack(request):
+    torch.set_num_threads(2)
+    kv_dtype = request.param
+    index = MemoryIndex()
+    kvstore = KVStoreServer(KVStoreConfig(port=0, capacity_bytes=256 << 20, publish_interval=0.01), index=index)
+    await kvstore.start()
+    ecfg = _engine_config(kv_dtype)
+    reference = await asyncio.to_thread(LLM, "smollm2", device="cpu", kv_cache_dtype=kv_dtype,
+                                        block_size=BS, kv_cache_memory=KV_MEMORY, max_num_seqs=4,
+                                        max_model_len=MAX_MODEL_LEN)
+    common = dict(engine=ecfg, kvstore=(kvstore.address,), port=0, publish_interval=0.01)
+    clients = []
+
+    async def worker(cls, cfg):
+        client = GrpcKVStoreClient([kvstore.address])
+        clients.append(client)
+        w = cls(cfg, AsyncEngine(await asyncio.to_thread(LLMEngine, ecfg)), client, index)
+        await w.start()
+        return w
+
+    prefill = await worker(PrefillWorker, PrefillConfig(**common))
+    decode = [await worker(DecodeWorker, DecodeConfig(**common, metrics_port=0 if i == 0 else None))
+              for i in range(2)]
+    channels = [grpc.aio.insecure_channel(w.address) for w in [prefill, *decode]]
+    s = Stack(kv_dtype, index, kvstore, prefill, decode, reference, channels)
+    yield s
+    for ch in channels:
+        await ch.close()
+    for w in [prefill, *decode]:
+        await w.stop(grace=0.5)
+    for c in clients:
+        await c.close()
+    await kvstore.stop(grace=0.5)
+
+
+def _prompt(n: int) -> list[int]:
+    rng = random.Random()
+    return [rng.randrange(100, 49000) for _ in range(n)]
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+async def _disagg(stack: Stack, prompt: list[int], params: SamplingParams, decode: int = 0,
+                  cached: list[bytes] = ()) -> tuple[list[int], str, pb.PrefillReply, list[pb.GenerateChunk]]:
+    """Prefill hop then a decode stream, as the gateway does it."""
+    sampling = convert.sampling_to_proto(params)
+    refs = [pb.BlockRef(hash=h, node=stack.kvstore.address) for h in cached]
+    reply = await stack.prefill_stub().Prefill(pb.PrefillRequest(
+        request_id=f"t-{random.random()}", prompt_token_ids=prompt, sampling=sampling, cached_blocks=refs))
+    chunks = [c async for c in stack.decode_stub(decode).Generate(pb.GenerateRequest(
+        request_id=f"t-{random.random()}", prompt_token_ids=prompt, sampling=sampling, prefilled=reply))]
+    tokens = [reply.first_token] + [t for c in chunks for t in c.token_ids]
+    text = reply.first_text + "".join(c.text for c in chunks)
+    return tokens, text, reply, chunks
+
+
+async def test_disaggregated_output_equals_single_process(stack: Stack):
+    prompt = _prompt(2 * BS + 5)
+    params = _greedy(10)
+    ref = (await asyncio.to_thread(stack.reference.generate, [prompt], params))[0].outputs[0]
+    # The gateway "found" the prompt's blocks, but the store never had them: prefill recomputes.
+    tokens, text, reply, chunks = await _disagg(stack, prompt, params, cached=stack.hashes(prompt))
+    assert tokens == ref.token_ids
+    assert text == ref.text
+    assert chunks[-1].finish_reason == "length" and all(not c.finish_reason for c in chunks[:-1])
+    assert reply.num_cached_tokens == 0
+    assert [b.hash for b in reply.blocks] == stack.hashes(prompt)
+    assert {b.node for b in reply.blocks} == {stack.kvstore.address}
+    assert reply.tail.num_tokens == 5 and reply.tail.dtype == "fp32"
+    # The prompt's blocks are in the store now (the decode worker pulled them from there).
+    present = await stack.decode[0].transfer.kvstore.contains(stack.hashes(prompt))
+    assert present == [True, True]
+
+
+async def test_second_turn_hits_blocks_of_first_turns_decode_worker(stack: Stack):
+    p1 = _prompt(40)
+    out1, _, _, _ = await _disagg(stack, p1, _greedy(26), decode=0)
+    ref1 = (await asyncio.to_thread(stack.reference.generate, [p1], _greedy(26)))[0].outputs[0]
+    assert out1 == ref1.token_ids
+    # Turn 2 = turn 1 + its answer + a new user message: 72 tokens; KV exists for 65 of turn 1's 66.
+    p2 = p1 + out1 + _prompt(6)
+    hashes = stack.hashes(p2)
+    assert len(hashes) == 4
+    deadline = time.monotonic() + 5.0
+    while True:  # the kvstore publishes to the index in batches
+        holders = await stack.index.lookup(hashes)
+        if all(stack.kvstore.address in h for h in holders) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.02)
+    a, b, pf, store = stack.decode[0].address, stack.decode[1].address, stack.prefill.address, stack.kvstore.address
+    assert all(store in h for h in holders), holders
+    # Blocks 2 and 3 hold generated text: only turn 1's decode worker computed them.
+    assert all(a in h and pf not in h for h in holders[2:]), holders
+    assert all(pf in h for h in holders[:2]), holders
+    assert all(b not in h for h in holders)
+
+    params = _greedy(8)
+    ref2 = (await asyncio.to_thread(stack.reference.generate, [p2], params))[0]
+    chunks = [c async for c in stack.decode_stub(1).Generate(pb.GenerateRequest(
+        request_id="turn2", prompt_token_ids=p2, sampling=convert.sampling_to_proto(params), do_prefill=True,
+        cached_blocks=[pb.BlockRef(hash=h, node=store) for h in hashes]))]
+    assert chunks[0].num_cached_tokens == 4 * BS
+    assert ref2.num_cached_tokens == 4 * BS  # the reference engine hit its own turn-1 blocks
+    assert [t for c in chunks for t in c.token_ids] == ref2.outputs[0].token_ids
+    assert "".join(c.text for c in chunks) == ref2.outputs[0].text
+
+
+async def test_cancelled_stream_frees_blocks(stack: Stack):
+    engine = stack.decode[0].runtime.engine
+    base = await engine.run(lambda e: e.stats())
+    assert base.num_running == 0
+    params = convert.sampling_to_proto(_greedy(200))
+    prompt = _prompt(3 * BS + 2)
+    reply = await stack.prefill_stub().Prefill(pb.PrefillRequest(
+        request_id="cancel-me", prompt_token_ids=prompt, sampling=params))
+    call = stack.decode_stub(0).Generate(pb.GenerateRequest(
+        request_id="cancel-me", prompt_token_ids=prompt, sampling=params, prefilled=reply))
+    got = 0
+    async for chunk in call:
+        got += len(chunk.token_ids)
+        if got >= 3:
+            break
+    during = await engine.run(lambda e: e.stats())
+    assert during.num_running == 1 and during.kv_cache_usage > base.kv_cache_usage
+    call.cancel()
+    deadline = time.monotonic() + 5.0
+    while True:
+        now = await engine.run(lambda e: (e.stats(), e.has_unfinished()))
+        if (now[0].kv_cache_usage == base.kv_cache_usage and not now[1]) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.02)
+    assert not now[1], "the request is still in the engine after cancel"
+    assert now[0].kv_cache_usage == base.kv_cache_usage
+    assert now[0].num_running == 0
+
+
+@pytest.mark.parametrize("stack", ["auto"], indirect=True)
+async def test_short_prompt_with_do_prefill(stack: Stack):
+    prompt = _prompt(6)
+    params = dataclasses.replace(_greedy(6), logprobs=2)
+    ref = (await asyncio.to_thread(stack.reference.generate, [prompt], params))[0].outputs[0]
+    chunks = [c async for c in stack.decode_stub(1).Generate(pb.GenerateRequest(
+        request_id="short", prompt_token_ids=prompt, sampling=convert.sampling_to_proto(params),
+        do_prefill=True))]
+    assert [t for c in chunks for t in c.token_ids] == ref.token_ids
+    assert "".join(c.text for c in chunks) == ref.text
+    lps = [lp for c in chunks for lp in c.logprobs]
+    assert [lp.token_id for lp in lps] == ref.token_ids
+    assert all(len(lp.top) == 2 for lp in lps)
+    assert chunks[0].num_prompt_tokens == 6 and chunks[0].num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("stack", ["auto"], indirect=True)
+async def test_health_metrics_and_bad_requests(stack: Stack):
+    for ch in stack.channels:
+        reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    port = stack.decode[0].runtime.metrics_port
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"http://127.0.0.1:{port}/metrics") as resp:
+            body = await resp.text()
+    assert resp.status == 200
+    assert "kvmesh:e2e_request_latency_seconds" in body and "kvmesh:kv_cache_usage_perc" in body
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stack.prefill_stub().Prefill(pb.PrefillRequest(
+            prompt_token_ids=[1, 2], sampling=pb.SamplingParams(temperature=-1.0)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in e.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stack.prefill_stub().Prefill(pb.PrefillRequest(
+            prompt_token_ids=_prompt(MAX_MODEL_LEN + 1), sampling=pb.SamplingParams(max_tokens=4)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max-model-len" in e.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        _ = [c async for c in stack.decode_stub(0).Generate(pb.GenerateRequest(
+            prompt_token_ids=_prompt(20), sampling=pb.SamplingParams(max_tokens=4)))]
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prefilled" in e.value.details()
