@@ -35,6 +35,28 @@ def _gather_rows(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
     return torch.where(sel, nk, rk), torch.where(sel, nv, rv)
 
 
+def _page_scores(Q: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
+    """Q [G, KVH, M, D] x pages pk [G, nfull, KVH, bs, D] -> scores [G, KVH, M, nfull * bs].
+    Few query rows (decode): broadcast Q over the pages instead of copying the pages heads-major."""
+    G, nfull, KVH, bs, D = pk.shape
+    M = Q.shape[2]
+    if M < bs:
+        s = torch.matmul(Q[:, None], pk.transpose(-1, -2))  # [G, nfull, KVH, M, bs]
+        return s.permute(0, 2, 3, 1, 4).reshape(G, KVH, M, nfull * bs)
+    k = pk.transpose(1, 2).reshape(G, KVH, nfull * bs, D)
+    return torch.matmul(Q, k.transpose(-1, -2))
+
+
+def _page_output(P: torch.Tensor, pv: torch.Tensor) -> torch.Tensor:
+    """probs P [G, KVH, M, nfull * bs] x pages pv [G, nfull, KVH, bs, D] -> [G, KVH, M, D]."""
+    G, nfull, KVH, bs, D = pv.shape
+    M = P.shape[2]
+    if M < bs:
+        p = P.reshape(G, KVH, M, nfull, bs).permute(0, 3, 1, 2, 4)  # [G, nfull, KVH, M, bs]
+        return torch.matmul(p, pv).sum(dim=1)
+    return torch.matmul(P, pv.transpose(1, 2).reshape(G, KVH, nfull * bs, D))
+
+
 class TorchBackend:
     """Implements `kvmesh.kernels.backend.AttentionBackend` with plain torch ops on any device."""
 
@@ -58,59 +80,69 @@ class TorchBackend:
                       v: torch.Tensor, meta: AttentionMetadata, scale: float, idx: torch.Tensor,
                       out: torch.Tensor, j0: int, j1: int) -> None:
         """Attention for sequences `idx` [G], query rows j0..j1-1 of each (relative to its first new
-        token; rows past a sequence's own count are masked). Writes into out."""
+        token; rows past a sequence's own count are masked). Writes into out.
+
+        Keys come in three parts with their own masks, scored separately and softmaxed together
+        (attention does not depend on key order): full pages [G, KVH, nfull * bs], the residual
+        tail [G, KVH, bs] and the new rows [G, KVH, j1]. No gather of one big padded context."""
         L = cache.layout
         bs, KVH, D = L.block_size, L.kv_heads, L.head_dim
         H = q.shape[1]
+        R = H // KVH
         dev = q.device
         qsl = meta.query_start_loc.long()
         p = meta.prefix_lens.long()[idx]  # [G]
         qs = qsl[idx]  # [G]
         n = qsl[idx + 1] - qs  # [G]
         slot = meta.residual_slots.long()[idx]  # [G]
-        G = idx.numel()
-        ctx = p + torch.clamp(n, max=j1)  # keys any of these queries may see
-        L_max = int(ctx.max())
+        G, Qn = idx.numel(), j1 - j0
         full = p // bs  # [G] full pages in the prefix
         nfull = int(full.max())
-
-        # Context sources: cat(dequantized pages [G * nfull * bs], residual tails [G * bs], new rows [T])
-        if nfull:
-            table = meta.block_tables[idx, :nfull].long()  # [G, nfull]
-            pk, pv = dequantize_layer(cache.layer_view(layer), table.clamp(min=0).flatten(), L.kv_dtype)
-            pk = pk.transpose(1, 2).reshape(-1, KVH, D)  # [G * nfull * bs, KVH, D]
-            pv = pv.transpose(1, 2).reshape(-1, KVH, D)
-        else:
-            pk = pv = torch.empty(0, KVH, D, device=dev)
-        res = cache.residual[slot, layer].float()  # [G, 2, KVH, bs, D]
-        rk = res[:, 0].transpose(1, 2).reshape(-1, KVH, D)  # [G * bs, KVH, D]
-        rv = res[:, 1].transpose(1, 2).reshape(-1, KVH, D)
-        src_k = torch.cat([pk, rk, k.float()])
-        src_v = torch.cat([pv, rv, v.float()])
-        res_base, new_base = pk.shape[0], pk.shape[0] + rk.shape[0]
-
-        g = torch.arange(G, device=dev)[:, None]  # [G, 1]
-        pos = torch.arange(L_max, device=dev)[None, :]  # [1, L_max]
-        page_row = g * nfull * bs + pos
-        res_row = res_base + g * bs + pos % bs
-        new_row = new_base + qs[:, None] + (pos - p[:, None])
-        in_pages = pos < (full * bs)[:, None]
-        in_res = pos < p[:, None]
-        key_row = torch.where(in_pages, page_row, torch.where(in_res, res_row, new_row))  # [G, L_max]
-        key_row = key_row.clamp(0, src_k.shape[0] - 1)
-        K = src_k[key_row]  # [G, L_max, KVH, D]
-        V = src_v[key_row]
 
         j = torch.arange(j0, j1, device=dev)[None, :]  # [1, Qn]
         q_valid = j < n[:, None]  # [G, Qn]
         q_row = torch.where(q_valid, qs[:, None] + j, torch.zeros_like(j))  # [G, Qn]
-        Q = q[q_row].float().view(G, j1 - j0, KVH, H // KVH, D)  # [G, Qn, KVH, R, D]
+        Q = q[q_row].float().view(G, Qn, KVH, R, D).permute(0, 2, 3, 1, 4).reshape(G, KVH, R * Qn, D)
+        Q = Q * scale
 
-        scores = torch.einsum("gqkrd,glkd->gkrql", Q, K) * scale  # [G, KVH, R, Qn, L_max]
-        allowed = pos[:, None, :] <= (p[:, None] + j)[:, :, None]  # [G, Qn, L_max] causal + own length
-        scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.einsum("gkrql,glkd->gqkrd", probs, V).reshape(G, j1 - j0, H, D)  # [G, Qn, H, D]
+        keys: list[torch.Tensor] = []  # each [G, KVH, Lpart, D]
+        vals: list[torch.Tensor] = []
+        masks: list[torch.Tensor] = []  # each [G, Qn, Lpart] bool (True = may attend)
+        page_k = page_v = None
+        if nfull:
+            table = meta.block_tables[idx, :nfull].long()  # [G, nfull]
+            pk, pv = dequantize_layer(cache.layer_view(layer), table.clamp(min=0).flatten(), L.kv_dtype)
+            page_k = pk.view(G, nfull, KVH, bs, D)
+            page_v = pv.view(G, nfull, KVH, bs, D)
+            page_pos = torch.arange(nfull * bs, device=dev)[None, :] < (full * bs)[:, None]  # [G, nfull*bs]
+            masks.append(page_pos[:, None, :].expand(G, Qn, nfull * bs))
+        res = cache.residual[slot, layer].float()  # [G, 2, KVH, bs, D]
+        keys.append(res[:, 0])
+        vals.append(res[:, 1])
+        res_pos = torch.arange(bs, device=dev)[None, :] < (p % bs)[:, None]  # [G, bs]
+        masks.append(res_pos[:, None, :].expand(G, Qn, bs))
+        jn = torch.arange(j1, device=dev)[None, :]  # [1, j1] new keys this chunk can see
+        n_row = torch.where(jn < n[:, None], qs[:, None] + jn, torch.zeros_like(jn))  # [G, j1]
+        keys.append(k[n_row].float().permute(0, 2, 1, 3))  # [G, KVH, j1, D]
+        vals.append(v[n_row].float().permute(0, 2, 1, 3))
+        masks.append((jn[:, None, :] <= j[:, :, None]).expand(G, Qn, j1))  # causal among new tokens; j < n implies jn < n
+
+        parts = [torch.matmul(Q, kk.transpose(-1, -2)) for kk in keys]
+        if page_k is not None:
+            parts.insert(0, _page_scores(Q, page_k))
+        scores = torch.cat(parts, dim=-1)  # [G, KVH, R*Qn, Ltot]
+        allowed = torch.cat(masks, dim=-1)  # [G, Qn, Ltot]
+        allowed = allowed[:, None, None].expand(G, KVH, R, Qn, allowed.shape[-1]).reshape(G, KVH, R * Qn, -1)
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        o = torch.zeros(G, KVH, R * Qn, D, device=dev)
+        at = 0
+        if page_v is not None:
+            at = nfull * bs
+            o += _page_output(probs[..., :at], page_v)
+        for vv in vals:
+            o += torch.matmul(probs[..., at:at + vv.shape[2]], vv)
+            at += vv.shape[2]
+        o = o.view(G, KVH, R, Qn, D).permute(0, 3, 1, 2, 4).reshape(G, Qn, H, D)  # [G, Qn, H, D]
         out[q_row[q_valid]] = o[q_valid].to(out.dtype)
 
     def write(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
