@@ -22,6 +22,7 @@ class IndexPublisher:
         self.interval = interval
         self._pending: dict[bytes, bool] = {}  # failed batches wait here, merged with newer events
         self._task: asyncio.Task | None = None
+        self._lock = asyncio.Lock()  # an explicit flush waits for a batch already in flight
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"index-publisher-{self.holder}")
@@ -35,7 +36,11 @@ class IndexPublisher:
                 log.warning("publishing to the prefix index failed (%s); retrying", exc)
 
     async def flush(self) -> None:
-        """Publish everything the store reported since the last flush."""
+        """Publish everything the store reported since the last flush (and wait for it)."""
+        async with self._lock:
+            await self._flush_locked()
+
+    async def _flush_locked(self) -> None:
         stored, removed = self.store.drain_events()
         for h in stored:
             self._pending.pop(h, None)
