@@ -134,7 +134,7 @@ class Scheduler:
             # Always compute at least one token (its logits give the next token), so the last
             # block that contains the final known token is never taken from the cache.
             max_blocks = (seq.num_tokens - 1) // bs
-            hits = self.kv.lookup(seq.block_hashes[:max_blocks])
+            hits = self.kv.lookup(seq.block_hashes[:max_blocks], seq.token_ids)
         computed = len(hits) * bs
         if resumed and len(hits) == seq.num_prompt_tokens // bs:
             computed = seq.num_prompt_tokens  # full prompt blocks + the imported tail

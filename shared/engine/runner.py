@@ -1,0 +1,130 @@
+"""The model runner: owns the model, the KV pool and the attention backend; turns one scheduled
+batch into hidden states and the logits rows the engine needs. The only engine part that touches
+device tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.config import EngineConfig
+from kvmesh.kernels.backend import make_backend
+from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata
+from kvmesh.kv.layout import BlockLayout, canonical_kv_dtype
+from kvmesh.kv.pool import KVCache
+from kvmesh.model.loader import load_model
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def resolve_device(cfg: EngineConfig) -> torch.device:
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(cfg.device)
+
+
+def resolve_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[cfg.dtype]
+
+
+@dataclass
+class StepRows:
+    """Which rows of the step's hidden states get logits, and for which purpose."""
+
+    sample_rows: list[int]
+    """One row per sequence that samples a token this step (its last new token)."""
+    prompt_rows: list[tuple[int, int, int]]
+    """(first row, row count, sequence index in the batch) for prompt-logprob chunks."""
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, num_residual_slots: int) -> None:
+        self.cfg = cfg
+        self.device = resolve_device(cfg)
+        self.dtype = resolve_dtype(cfg, self.device)
+        self.model, self.model_config = load_model(cfg.model, self.dtype, self.device)
+        self.model.eval()
+        mc = self.model_config
+        kv_dtype = canonical_kv_dtype(cfg.cache.kv_cache_dtype, _NAMES[self.dtype])
+        self.layout = BlockLayout(num_layers=mc.num_layers, kv_heads=mc.num_kv_heads,
+                                  head_dim=mc.head_dim, block_size=cfg.cache.block_size,
+                                  kv_dtype=kv_dtype)
+        num_blocks = self._num_blocks()
+        self.cache = KVCache(self.layout, num_blocks, num_residual_slots, self.dtype, self.device)
+        self.backend = make_backend(cfg.attention_backend, self.device)
+
+    @property
+    def dtype_name(self) -> str:
+        return _NAMES[self.dtype]
+
+    def _num_blocks(self) -> int:
+        """Pages from --kv-cache-memory (CPU default 1 GiB) or from --gpu-memory-utilization."""
+        c = self.cfg.cache
+        if c.kv_cache_memory is not None:
+            budget = c.kv_cache_memory
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            # Keep room for one step's activations and logits (rough upper bound).
+            act = self.cfg.scheduler.max_num_batched_tokens * (
+                self.model_config.vocab_size * 4 + 16 * self.model_config.intermediate_size * 4)
+            budget = int(total * c.gpu_memory_utilization) - used - act
+            if budget <= 0:
+                raise ValueError(f"--gpu-memory-utilization {c.gpu_memory_utilization}: no memory left "
+                                 f"for the KV cache after weights ({used / 2**30:.1f} GiB used); "
+                                 "raise it or lower --max-num-batched-tokens")
+        else:
+            budget = DEFAULT_CPU_KV_BYTES
+        n = budget // self.layout.block_bytes
+        if n < 1:
+            raise ValueError(f"--kv-cache-memory {budget} bytes holds no KV block of "
+                             f"{self.layout.block_bytes} bytes; increase it")
+        return int(n)
+
+    @torch.inference_mode()
+    def execute(self, token_chunks: list[list[int]], slices: list[SeqSlice],
+                rows: StepRows) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Runs the model over the batch. token_chunks[i]: the new tokens of slices[i].
+        Returns (sample logits [len(sample_rows), V] float32, per prompt chunk logits [n, V])."""
+        flat: list[int] = []
+        pos: list[int] = []
+        for toks, s in zip(token_chunks, slices):
+            flat.extend(toks)
+            pos.extend(range(s.prefix_len, s.prefix_len + s.num_new))
+        input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)  # [T]
+        positions = torch.tensor(pos, dtype=torch.long, device=self.device)  # [T]
+        meta = build_attention_metadata(slices, self.layout, self.cache.num_residual_slots, self.device)
+        hidden = self.model(input_ids, positions, meta, self.cache, self.backend)  # [T, hidden]
+        sample_logits = self.model.compute_logits(hidden[rows.sample_rows]) if rows.sample_rows else None
+        prompt_logits = [self.model.compute_logits(hidden[r0:r0 + n]) for r0, n, _ in rows.prompt_rows]
+        return sample_logits, prompt_logits
+
+    # ---- residual slots and pages, for fork / export / import ----
+    def copy_slot(self, src: int, dst: int) -> None:
+        self.cache.residual[dst].copy_(self.cache.residual[src])
+
+    def read_slot(self, slot: int) -> bytes:
+        r = self.cache.residual[slot].contiguous().cpu()
+        return r.view(torch.uint8).numpy().tobytes()
+
+    def write_slot(self, slot: int, data: bytes) -> None:
+        dst = self.cache.residual[slot]
+        want = dst.numel() * dst.element_size()
+        if len(data) != want:
+            raise ValueError(f"resume.tail is {len(data)} bytes, this engine's residual slot is {want} "
+                             f"(layers, 2, kv_heads, block_size, head_dim in {self.dtype_name})")
+        src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).view(dst.shape)
+        dst.copy_(src)
+
+    def read_page(self, block_id: int) -> bytes:
+        return self.cache.read_page(block_id)
+
+    def write_page(self, block_id: int, data: bytes) -> None:
+        self.cache.write_page(block_id, data)
