@@ -113,42 +113,68 @@ class Dispatcher:
                        cache_salt: str) -> AsyncIterator[Delta]:
         refs = [pb.BlockRef(hash=h, node=node) for h, node in decision.cached_blocks]
         predicted = decision.predicted_hit_tokens
+        want_prompt_lps = params.HasField("prompt_logprobs")
+        if decision.prefill is not None:
+            self.metrics.lab(self.metrics.router_prefill_hops).inc()
+            reply = await self._prefill(decision.prefill, pb.PrefillRequest(
+                request_id=request_id, prompt_token_ids=list(prompt_ids), sampling=params,
+                num_cached_blocks=decision.hit_blocks, cache_salt=cache_salt, cached_blocks=refs))
+            self.metrics.prompt_done(len(prompt_ids), reply.num_cached_tokens, predicted)
+            # The first token comes from the prefill reply; the decode stream starts after it.
+            yield Delta(index=index, text=reply.first_text, token_ids=[reply.first_token],
+                        logprobs=[reply.first_logprob] if params.HasField("logprobs") else [],
+                        finish_reason=reply.finish_reason or None, num_prompt_tokens=len(prompt_ids),
+                        num_cached_tokens=reply.num_cached_tokens,
+                        prompt_logprobs=list(reply.prompt_logprobs) if want_prompt_lps else None)
+            if reply.finish_reason:
+                return
+            req = pb.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt_ids),
+                                     sampling=params, cache_salt=cache_salt, prefilled=reply)
+            decode = decision.decode
+            while True:  # a dead decode worker is replaced: the prefill reply can resume anywhere
+                try:
+                    async for d in self._decode(decode, req, index, None):
+                        yield d
+                    return
+                except _WorkerDown as e:
+                    self.router.mark(e.address, False)
+                    others = self.router.healthy("decode")
+                    if not others:
+                        raise api_error_from_grpc(e.error, e.address) from None
+                    decode = self.router.choose({a: float(self.router.workers[a].in_flight) for a in others})
+        req = pb.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt_ids),
+                                 sampling=params, cache_salt=cache_salt, do_prefill=True,
+                                 cached_blocks=refs)
+        async for d in self._decode(decision.decode, req, index, predicted):
+            yield d
+
+    async def _decode(self, address: str, req: pb.GenerateRequest, index: int,
+                      predicted: Optional[int]) -> AsyncIterator[Delta]:
+        """Forward one Generate stream. `predicted` set: this call prefills, its first chunk
+        reports the prompt (tokens, cached tokens, prompt logprobs)."""
         first = True
-        self.router.begin(decision.decode)
+        self.router.begin(address)
+        call = self.clients[address].generate(req, timeout=self.timeout_s)
         try:
-            if decision.prefill is not None:
-                self.metrics.lab(self.metrics.router_prefill_hops).inc()
-                reply = await self._prefill(decision.prefill, pb.PrefillRequest(
-                    request_id=request_id, prompt_token_ids=list(prompt_ids), sampling=params,
-                    num_cached_blocks=decision.hit_blocks, cache_salt=cache_salt, cached_blocks=refs))
-                # The decode stream repeats the first token, so one stream is forwarded either way.
-                req = pb.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt_ids),
-                                         sampling=params, cache_salt=cache_salt, prefilled=reply)
-            else:
-                req = pb.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt_ids),
-                                         sampling=params, cache_salt=cache_salt, do_prefill=True,
-                                         cached_blocks=refs)
-            call = self.clients[decision.decode].generate(req, timeout=self.timeout_s)
-            try:
-                async for chunk in call:
-                    d = Delta(index=index, text=chunk.text, token_ids=list(chunk.token_ids),
-                              logprobs=list(chunk.logprobs), finish_reason=chunk.finish_reason or None)
-                    if first:
-                        first = False
-                        d.num_prompt_tokens = chunk.num_prompt_tokens or len(prompt_ids)
-                        d.num_cached_tokens = chunk.num_cached_tokens
-                        if params.HasField("prompt_logprobs"):
-                            d.prompt_logprobs = list(chunk.prompt_logprobs)
-                        self.metrics.prompt_done(len(prompt_ids), chunk.num_cached_tokens, predicted)
-                    yield d
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.UNAVAILABLE and first:
-                    raise _WorkerDown(decision.decode, e) from None
-                raise api_error_from_grpc(e, decision.decode) from None
-            finally:
-                call.cancel()  # no-op when finished; aborts the request on the worker otherwise
+            async for chunk in call:
+                d = Delta(index=index, text=chunk.text, token_ids=list(chunk.token_ids),
+                          logprobs=list(chunk.logprobs), finish_reason=chunk.finish_reason or None)
+                if first and predicted is not None:
+                    n = len(req.prompt_token_ids)
+                    d.num_prompt_tokens = chunk.num_prompt_tokens or n
+                    d.num_cached_tokens = chunk.num_cached_tokens
+                    if req.sampling.HasField("prompt_logprobs"):
+                        d.prompt_logprobs = list(chunk.prompt_logprobs)
+                    self.metrics.prompt_done(n, chunk.num_cached_tokens, predicted)
+                first = False
+                yield d
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE and first:
+                raise _WorkerDown(address, e) from None
+            raise api_error_from_grpc(e, address) from None
         finally:
-            self.router.end(decision.decode)
+            call.cancel()  # no-op when finished; aborts the request on the worker otherwise
+            self.router.end(address)
 
     async def _prefill(self, address: str, req: pb.PrefillRequest) -> pb.PrefillReply:
         self.router.begin(address)

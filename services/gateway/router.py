@@ -76,6 +76,7 @@ class Router:
             if a in self.workers:
                 raise ValueError(f"--decode {a} is also given as --prefill; a worker has one role")
             self.workers[a] = WorkerState(a, "decode")
+        self._worker_set = frozenset(self.workers)
         self.block_size = block_size
         self.alpha, self.beta, self.store_weight = alpha, beta, store_weight
         self.tolerance = tolerance
@@ -101,15 +102,31 @@ class Router:
 
     # -- math -----------------------------------------------------------------------------------
     def prefix_for(self, address: str, holders: Sequence[frozenset[str]]) -> Prefix:
-        local = store = 0
-        for hs in holders:
-            if address in hs:
-                local += 1
-            elif any(h not in self.workers for h in hs):
-                store += 1
-            else:
-                break
-        return Prefix(local, store)
+        return self.prefixes(holders, [address])[address]
+
+    def prefixes(self, holders: Sequence[frozenset[str]], addresses: Sequence[str]) -> dict[str, Prefix]:
+        """Prefix of each worker; one pass over the blocks for all workers that hold none locally."""
+        workers = self._worker_set
+        in_store = [not hs <= workers for hs in holders]  # some non-worker (a kvstore node) holds it
+        base = 0
+        while base < len(in_store) and in_store[base]:
+            base += 1
+        holding = set().union(*holders) & workers if holders else set()
+        out = {}
+        for a in addresses:
+            if a not in holding:
+                out[a] = Prefix(0, base)
+                continue
+            local = store = 0
+            for hs, s in zip(holders, in_store):
+                if a in hs:
+                    local += 1
+                elif s:
+                    store += 1
+                else:
+                    break
+            out[a] = Prefix(local, store)
+        return out
 
     def cost(self, address: str, num_tokens: int, prefix: Prefix) -> float:
         bs = self.block_size
@@ -146,7 +163,7 @@ class Router:
         decoders = self.healthy("decode")
         if not decoders:
             raise NoWorkerError("no healthy decode worker; check the --decode workers")
-        prefixes = {a: self.prefix_for(a, holders) for a in self.workers}
+        prefixes = self.prefixes(holders, list(self.workers))
         self_costs = {a: self.cost(a, num_tokens, prefixes[a]) for a in decoders}
         decode = self.choose(self_costs)
         tail = num_tokens - min(prefixes[decode].blocks * self.block_size, num_tokens)
