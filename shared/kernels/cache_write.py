@@ -28,6 +28,13 @@ def _rint(y):
 
 
 @triton.jit
+def to_bf16_rne(x):
+    """fp32 -> bf16 rounding half-to-even with integer ops (Triton's interpreter truncates)."""
+    b = x.to(tl.uint32, bitcast=True)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def _fp16_round(s):
     """A positive fp32 scale rounded through fp16, as `quant._round_scale` does."""
     s = tl.minimum(s, 65504.0).to(tl.float16).to(tl.float32)
@@ -61,7 +68,7 @@ def _store_plain(pool_ptr, base, head, x, FMT: tl.constexpr, BS: tl.constexpr, D
         tl.store(p + base // 2 + off, x.to(tl.float16))
     else:
         p = pool_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
-        tl.store(p + base // 2 + off, x.to(tl.bfloat16))
+        tl.store(p + base // 2 + off, to_bf16_rne(x))
 
 
 @triton.jit

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from kvmesh.kernels.backend import AttentionMetadata
-from kvmesh.kernels.cache_write import FMT_BF16, FMT_CODES, FMT_E4M3, FMT_E5M2, FMT_FP32, FMT_INT8
+from kvmesh.kernels.cache_write import (FMT_BF16, FMT_CODES, FMT_E4M3, FMT_E5M2, FMT_FP32, FMT_INT8,
+                                        to_bf16_rne)
 from kvmesh.kv.pool import KVCache
 
 LOG2E = math.log2(math.e)
@@ -96,6 +97,14 @@ def _load_page_tile(pool_ptr, base, tok, n_mask, head, DATA_OFF: tl.constexpr,
             mn = tl.load(ps + so + G, mask=m2, other=0.0)
         x = q.to(DOT) * s.to(DOT) + mn.to(DOT)
         return x, one
+
+
+@triton.jit
+def _cast_out(x, ty: tl.constexpr):
+    if ty == tl.bfloat16:
+        return to_bf16_rne(x)
+    else:
+        return x.to(ty)
 
 
 @triton.jit
@@ -221,7 +230,7 @@ def paged_attention_kernel(
         o = acc / l_safe[:, None]
         if SPLITS == 1:
             op = out_ptr + (q_row * stride_ot + head * stride_oh)[:, None] + d[None, :]
-            tl.store(op, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(op, _cast_out(o, out_ptr.dtype.element_ty), mask=row_ok[:, None])
         else:
             ph = q_row * (KVH * G) + head  # [M] row of [T, H]
             tl.store(part_out_ptr + ((ph * SPLITS + split) * D)[:, None] + d[None, :], o,
@@ -249,7 +258,7 @@ def reduce_splits_kernel(
     o = tl.load(part_out_ptr + ((ph * SPLITS + sp) * D)[:, None] + d[None, :],
                 mask=(sp < SPLITS)[:, None], other=0.0)
     o = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, _cast_out(o, out_ptr.dtype.element_ty))
 
 
 def _dot_dtype(fmt: int, q: torch.Tensor) -> tl.dtype:

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# GPU check for the Triton kernels, run from the repository root on the H200:
+#   bash benchmarks/gpu_check.sh [--quick]       logs go to $OUT (default ./gpu_check_out)
+# 1. the GPU-marked kernel tests (correctness at real shapes, pools past 65,536 pages),
+# 2. benchmarks/kernels.py (decode per KV dtype vs SDPA, cache write, prefill/extend).
+# Works without the editable install: `kvmesh` is mapped to shared/ through a symlink on PYTHONPATH.
+# tests/conftest.py needs pytest-asyncio (absent there), so pytest runs with --noconftest.
+set -u -o pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-$ROOT/gpu_check_out}
+mkdir -p "$OUT"
+SHIM=$(mktemp -d)
+ln -s "$ROOT/shared" "$SHIM/kvmesh"
+export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+cd "$ROOT"
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+} 2>&1 | tee "$OUT/env.log"
+
+echo "== GPU kernel tests" | tee "$OUT/tests.log"
+timeout 300 $PY -m pytest --noconftest -p no:cacheprovider -q -m gpu -o addopts="" \
+  tests/test_kernels_attention.py tests/test_kernels_cache_write.py 2>&1 | tee -a "$OUT/tests.log"
+echo "tests exit: $?" | tee -a "$OUT/tests.log"
+
+echo "== benchmark" | tee "$OUT/bench.log"
+timeout 480 $PY benchmarks/kernels.py --out "$OUT/bench_table.md" "$@" 2>&1 | tee -a "$OUT/bench.log"
+echo "benchmark exit: $?" | tee -a "$OUT/bench.log"
+rm -rf "$SHIM"

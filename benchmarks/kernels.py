@@ -1,0 +1,281 @@
+"""Kernel benchmark (H200): paged decode per KV dtype vs torch SDPA, cache write, prefill/extend.
+
+    python benchmarks/kernels.py [--quick] [--sweep] [--out results.md]
+
+Everything is measured in one run with CUDA events (median of --reps). Decode: 32 query heads,
+8 KV heads, head_dim 128, block 16, pages in random order, one layer. Columns: time, effective TB/s
+(bytes of KV pages incl. scales + q + out, divided by time), % of the read bandwidth measured here
+(torch.sum over 4 GiB), speedup vs SDPA(enable_gqa=True) over contiguous fp16 K/V of the same shape,
+and the ideal speedup 16 / (stored bits per element incl. scales).
+Each case runs in its own try/except and prints as it goes, so a failure costs one row, not the run.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+
+def _make_importable() -> None:
+    """Without the editable install (the H200), map `kvmesh` to the checkout's shared/ folder."""
+    try:
+        import kvmesh  # noqa: F401
+    except ImportError:
+        shim = Path(tempfile.gettempdir()) / "kvmesh_shim"
+        shim.mkdir(exist_ok=True)
+        link = shim / "kvmesh"
+        if not link.exists():
+            link.symlink_to(Path(__file__).resolve().parents[1] / "shared")
+        sys.path.insert(0, str(shim))
+
+
+_make_importable()
+
+from kvmesh.kernels.cache_write import write_blocks  # noqa: E402
+from kvmesh.kernels.decode_attention import decode_attention, num_splits  # noqa: E402
+from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata  # noqa: E402
+from kvmesh.kernels.prefill_attention import prefill_attention  # noqa: E402
+from kvmesh.kv.layout import BlockLayout  # noqa: E402
+from kvmesh.kv.pool import KVCache  # noqa: E402
+
+H, KVH, D, BS = 32, 8, 128, 16
+DECODE_CASES = [(64, 4096), (16, 16384), (256, 1024), (8, 32768)]
+KV_DTYPES = ["fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
+
+
+def log(*a) -> None:
+    print(*a, flush=True)
+
+
+def time_ms(fn, reps: int, warmup: int = 3) -> float:
+    """Median milliseconds of `fn` over `reps` runs, each timed with its own CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def read_bandwidth(reps: int) -> tuple[float, float]:
+    """(streaming read TB/s by torch.sum over 4 GiB, copy TB/s counting read + write)."""
+    x = torch.empty(1 << 31, dtype=torch.float16, device="cuda").uniform_()
+    t = time_ms(lambda: x.sum(), reps)
+    read = x.numel() * 2 / t / 1e9
+    y = torch.empty_like(x[: 1 << 30])
+    t2 = time_ms(lambda: y.copy_(x[: 1 << 30]), reps)
+    copy = 2 * y.numel() * 2 / t2 / 1e9
+    del x, y
+    return read, copy
+
+
+def model_dtype_for(kv: str) -> torch.dtype:
+    return torch.bfloat16 if kv == "bf16" else torch.float16
+
+
+def filled_cache(kv: str, k_rows: torch.Tensor, v_rows: torch.Tensor, n_pages: int,
+                 perm: torch.Tensor) -> KVCache:
+    """A one-layer cache whose page perm[i] holds rows i*BS..(i+1)*BS of k_rows/v_rows [N, KVH, D]."""
+    layout = BlockLayout(num_layers=1, kv_heads=KVH, head_dim=D, block_size=BS, kv_dtype=kv)
+    cache = KVCache(layout, n_pages, 1, model_dtype_for(kv), "cuda")
+    rows = torch.arange(n_pages * BS, device="cuda").view(n_pages, BS) + BS  # S = 1 slot, then new rows
+    dt = model_dtype_for(kv)
+    for i in range(0, n_pages, 8192):
+        j = min(n_pages, i + 8192)
+        write_blocks(cache, 0, k_rows[i * BS:j * BS].to(dt), v_rows[i * BS:j * BS].to(dt),
+                     rows[: j - i], perm[i:j])
+    return cache
+
+
+def decode_meta(batch: int, ctx: int, perm: torch.Tensor, layout: BlockLayout):
+    pages = ctx // BS
+    seqs = [SeqSlice(ctx, 1, perm[b * pages:(b + 1) * pages].tolist() + [-1], 0) for b in range(batch)]
+    return build_attention_metadata(seqs, layout, 1, "cuda")
+
+
+def bench_decode(batch: int, ctx: int, reps: int, read_tbs: float, rows: list, sweep: bool) -> None:
+    n_pages = batch * ctx // BS
+    g = torch.Generator(device="cuda").manual_seed(batch * ctx)
+    k_rows = torch.randn(n_pages * BS, KVH, D, device="cuda", dtype=torch.float16, generator=g)
+    v_rows = torch.randn(n_pages * BS, KVH, D, device="cuda", dtype=torch.float16, generator=g)
+    perm = torch.randperm(n_pages, device="cuda", generator=g)
+    # SDPA over contiguous fp16 K/V of the same data: [B, KVH, ctx, D]
+    kc = k_rows.view(batch, ctx, KVH, D).transpose(1, 2).contiguous()
+    vc = v_rows.view(batch, ctx, KVH, D).transpose(1, 2).contiguous()
+    qs = torch.randn(batch, H, 1, D, device="cuda", dtype=torch.float16, generator=g)
+    t_sdpa = time_ms(lambda: F.scaled_dot_product_attention(qs, kc, vc, enable_gqa=True), reps)
+    sdpa_bytes = 2 * kc.numel() * 2 + 2 * qs.numel() * 2
+    rows.append((f"{batch}x{ctx}", "sdpa fp16 contiguous", t_sdpa, sdpa_bytes / t_sdpa / 1e9,
+                 sdpa_bytes / t_sdpa / 1e9 / read_tbs, 1.0, 1.0))
+    log(f"  sdpa {batch}x{ctx}: {t_sdpa:.3f} ms")
+    ref = F.scaled_dot_product_attention(qs, kc, vc, enable_gqa=True)[:, :, 0]  # [B, H, D]
+    del kc, vc
+    for kv in KV_DTYPES:
+        try:
+            cache = filled_cache(kv, k_rows, v_rows, n_pages, perm)
+            meta = decode_meta(batch, ctx, perm, cache.layout)
+            dt = model_dtype_for(kv)
+            q = qs[:, :, 0].to(dt).contiguous()  # [B, H, D]
+            kn = torch.randn(batch, KVH, D, device="cuda", dtype=dt, generator=g)
+            vn = torch.randn(batch, KVH, D, device="cuda", dtype=dt, generator=g)
+            scale = D ** -0.5
+            splits = num_splits(batch, KVH, ctx + 1, torch.cuda.get_device_properties(0).multi_processor_count)
+            t = time_ms(lambda: decode_attention(cache, 0, q, kn, vn, meta, scale), reps)
+            nbytes = n_pages * cache.layout.block_bytes + 2 * q.numel() * q.element_size()
+            ideal = 16 / (8 * cache.layout.bytes_per_token / (2 * KVH * D))  # 16 / stored bits per element
+            rows.append((f"{batch}x{ctx}", f"paged {kv} (splits {splits})", t, nbytes / t / 1e9,
+                         nbytes / t / 1e9 / read_tbs, t_sdpa / t, ideal))
+            # sanity: the paged result over ctx + 1 keys stays near SDPA over ctx keys for fp16
+            out = decode_attention(cache, 0, q, kn, vn, meta, scale).float()
+            drift = ((out - ref.float()).norm() / ref.float().norm()).item()
+            log(f"  {kv:9s} {batch}x{ctx}: {t:.3f} ms  {t_sdpa / t:.2f}x sdpa  (ideal {ideal:.2f}x, "
+                f"splits {splits}, rel diff vs sdpa {drift:.1e})")
+            if sweep:
+                for sp in sorted({1, 2, 4, 8, 16, splits}):
+                    for bn in (32, 64, 128):
+                        ts = time_ms(lambda: decode_attention(cache, 0, q, kn, vn, meta, scale,
+                                                              splits=sp, block_n=bn), reps)
+                        log(f"    sweep {kv} splits={sp:2d} block_n={bn:3d}: {ts:.3f} ms ({t_sdpa / ts:.2f}x)")
+            del cache
+        except Exception:  # one failed dtype costs one row
+            log(f"  {kv} {batch}x{ctx} FAILED:\n{traceback.format_exc()}")
+            rows.append((f"{batch}x{ctx}", f"paged {kv}", math.nan, math.nan, math.nan, math.nan, math.nan))
+        torch.cuda.empty_cache()
+
+
+def bench_write(reps: int, copy_tbs: float, rows: list) -> None:
+    n_blocks = 16384
+    g = torch.Generator(device="cuda").manual_seed(7)
+    for kv in KV_DTYPES:
+        try:
+            dt = model_dtype_for(kv)
+            k = torch.randn(n_blocks * BS, KVH, D, device="cuda", dtype=dt, generator=g)
+            v = torch.randn(n_blocks * BS, KVH, D, device="cuda", dtype=dt, generator=g)
+            layout = BlockLayout(num_layers=1, kv_heads=KVH, head_dim=D, block_size=BS, kv_dtype=kv)
+            cache = KVCache(layout, n_blocks, 1, dt, "cuda")
+            rows_ = torch.arange(n_blocks * BS, device="cuda").view(n_blocks, BS) + BS
+            ids = torch.randperm(n_blocks, device="cuda", generator=g)
+            t = time_ms(lambda: write_blocks(cache, 0, k, v, rows_, ids), reps)
+            nbytes = 2 * k.numel() * k.element_size() + n_blocks * layout.block_bytes + rows_.numel() * 8
+            tbs = nbytes / t / 1e9
+            rows.append(("write 16384 blocks", f"cache write {kv}", t, tbs, tbs / copy_tbs, math.nan, math.nan))
+            log(f"  write {kv}: {t:.3f} ms, {tbs:.2f} TB/s = {100 * tbs / copy_tbs:.0f}% of copy")
+            del cache, k, v
+        except Exception:
+            log(f"  write {kv} FAILED:\n{traceback.format_exc()}")
+        torch.cuda.empty_cache()
+
+
+def bench_prefill(reps: int, rows: list, dtypes: list[str]) -> None:
+    B, new, prefix = 4, 2048, 2048
+    g = torch.Generator(device="cuda").manual_seed(11)
+    T = B * new
+    q = torch.randn(T, H, D, device="cuda", dtype=torch.float16, generator=g)
+    k = torch.randn(T, KVH, D, device="cuda", dtype=torch.float16, generator=g)
+    v = torch.randn(T, KVH, D, device="cuda", dtype=torch.float16, generator=g)
+    kp = torch.randn(B * prefix, KVH, D, device="cuda", dtype=torch.float16, generator=g)
+    vp = torch.randn(B * prefix, KVH, D, device="cuda", dtype=torch.float16, generator=g)
+    # SDPA: causal, bottom-right aligned (new tokens see the whole prefix), contiguous
+    qs = q.view(B, new, H, D).transpose(1, 2)
+    ks = torch.cat([kp.view(B, prefix, KVH, D), k.view(B, new, KVH, D)], 1).transpose(1, 2).contiguous()
+    vs = torch.cat([vp.view(B, prefix, KVH, D), v.view(B, new, KVH, D)], 1).transpose(1, 2).contiguous()
+    t_sdpa = math.nan
+    try:
+        from torch.nn.attention.bias import causal_lower_right
+        mask = causal_lower_right(new, new + prefix)
+        t_sdpa = time_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True), reps)
+    except Exception:
+        log(f"  sdpa lower-right causal FAILED, trying repeated heads:\n{traceback.format_exc()}")
+        try:
+            from torch.nn.attention.bias import causal_lower_right
+            mask = causal_lower_right(new, new + prefix)
+            kr, vr = ks.repeat_interleave(H // KVH, 1), vs.repeat_interleave(H // KVH, 1)
+            t_sdpa = time_ms(lambda: F.scaled_dot_product_attention(qs, kr, vr, attn_mask=mask), reps)
+        except Exception:
+            log(f"  sdpa FAILED:\n{traceback.format_exc()}")
+    flops = 4 * B * H * D * (new * prefix + new * (new + 1) / 2)
+    rows.append(("prefill 4x2048 +2048", "sdpa causal fp16", t_sdpa, flops / t_sdpa / 1e9, math.nan, 1.0, math.nan))
+    log(f"  sdpa prefill: {t_sdpa:.3f} ms ({flops / t_sdpa / 1e9:.0f} TFLOP/s)")
+    n_pages = B * prefix // BS
+    perm = torch.randperm(n_pages, device="cuda", generator=g)
+    for kv in dtypes:
+        try:
+            cache = filled_cache(kv, kp, vp, n_pages, perm)
+            pp = prefix // BS
+            seqs = [SeqSlice(prefix, new, perm[b * pp:(b + 1) * pp].tolist() + [-1] * (new // BS), 0)
+                    for b in range(B)]
+            meta = build_attention_metadata(seqs, cache.layout, 1, "cuda")
+            dt = model_dtype_for(kv)
+            qd, kd, vd = q.to(dt), k.to(dt), v.to(dt)
+            t = time_ms(lambda: prefill_attention(cache, 0, qd, kd, vd, meta, D ** -0.5), reps)
+            rows.append(("prefill 4x2048 +2048", f"paged {kv}", t, flops / t / 1e9, math.nan, t_sdpa / t, math.nan))
+            log(f"  prefill {kv}: {t:.3f} ms ({flops / t / 1e9:.0f} TFLOP/s, {t_sdpa / t:.2f}x sdpa)")
+            del cache
+        except Exception:
+            log(f"  prefill {kv} FAILED:\n{traceback.format_exc()}")
+        torch.cuda.empty_cache()
+
+
+def table(rows: list, read_tbs: float, copy_tbs: float) -> str:
+    lines = [f"read bandwidth (torch.sum, 4 GiB): {read_tbs:.2f} TB/s; copy (read + write): {copy_tbs:.2f} TB/s",
+             "", "| case | kernel | time ms | TB/s (TFLOP/s for prefill) | % of bandwidth | speedup vs SDPA | ideal |",
+             "|---|---|---|---|---|---|---|"]
+    for case, name, t, tbs, frac, sp, ideal in rows:
+        pct = "" if math.isnan(frac) else f"{100 * frac:.0f}%"
+        spd = "" if math.isnan(sp) else f"{sp:.2f}x"
+        idl = "" if math.isnan(ideal) else f"{ideal:.2f}x"
+        lines.append(f"| {case} | {name} | {t:.3f} | {tbs:.2f} | {pct} | {spd} | {idl} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one decode case, fewer repetitions")
+    ap.add_argument("--sweep", action="store_true", help="also time splits x block_n per decode case")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement")
+    ap.add_argument("--out", type=Path, default=None, help="also write the markdown table here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/kernels.py needs a CUDA GPU")
+    torch.set_grad_enabled(False)
+    reps = args.reps or (10 if args.quick else 30)
+    t0 = time.time()
+    log(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
+    read_tbs, copy_tbs = read_bandwidth(reps)
+    log(f"read {read_tbs:.2f} TB/s, copy {copy_tbs:.2f} TB/s")
+    rows: list = []
+    for batch, ctx in DECODE_CASES[:1] if args.quick else DECODE_CASES:
+        log(f"decode {batch}x{ctx} ({time.time() - t0:.0f} s)")
+        try:
+            bench_decode(batch, ctx, reps, read_tbs, rows, args.sweep)
+        except Exception:
+            log(f"decode {batch}x{ctx} FAILED:\n{traceback.format_exc()}")
+        torch.cuda.empty_cache()
+    log(f"cache write ({time.time() - t0:.0f} s)")
+    bench_write(reps, copy_tbs, rows)
+    log(f"prefill ({time.time() - t0:.0f} s)")
+    bench_prefill(reps, rows, ["fp16", "fp8_e4m3", "int8", "int4"] if args.quick else KV_DTYPES)
+    md = table(rows, read_tbs, copy_tbs)
+    log("\n" + md)
+    log(f"\ntotal {time.time() - t0:.0f} s")
+    if args.out:
+        args.out.write_text(md + "\n")
+
+
+if __name__ == "__main__":
+    main()

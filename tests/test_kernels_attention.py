@@ -1,0 +1,150 @@
+"""Triton paged attention (decode and prefill/extend) against the pure-torch `TorchBackend`.
+
+CPU: Triton's interpreter at tiny shapes. The grid covers every KV dtype, each with a rotation of
+GQA ratio (1/4/8), head_dim (64/128) and block size (16/32), so every value of each axis meets every
+dtype at least once without the full product (the interpreter runs ~0.5 ms per program).
+Batches are ragged (prefix 0, a multiple of the block size, with a residual tail), pages are in random
+order and page 0 is never used (a wrong table read shows). GPU (`-m gpu`): the same comparisons at
+real shapes, plus a pool of more than 65,536 pages so 32-bit byte offsets would overflow.
+Tolerance: relative L2 against the reference computed from the same (dequantized) cache.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmesh.kernels.decode_attention import decode_attention, num_splits
+from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata
+from kvmesh.kernels.prefill_attention import prefill_attention
+from kvmesh.kernels.torch_ref import TorchBackend
+from kvmesh.kernels.triton_backend import TritonBackend
+from kvmesh.kv.layout import BlockLayout
+from kvmesh.kv.pool import KVCache
+from kvmesh.kv.quant import quantize_blocks, store_blocks
+
+DTYPES = ["fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
+TOL = {"fp32": 1e-3, "fp16": 1e-3, "bf16": 1e-3, "fp8_e4m3": 2e-3, "fp8_e5m2": 2e-3, "int8": 2e-3, "int4": 2e-3}
+SHAPES = [(1, 64, 16), (4, 128, 32), (8, 64, 32), (4, 64, 16)]  # (GQA ratio, head_dim, block size)
+GRID = [(dt, *SHAPES[(i + j) % len(SHAPES)]) for i, dt in enumerate(DTYPES) for j in range(2)]
+MODEL_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def make_case(kv: str, gqa: int, head_dim: int, bs: int, prefix_lens: list[int], num_new: list[int],
+              *, kv_heads: int = 2, num_layers: int = 2, layer: int = 1, device: str = "cpu",
+              first_page: int = 1, spare_pages: int = 3, seed: int = 0):
+    """A cache with random quantized pages in random order and random residual tails, the metadata
+    of one step, and q/k/v for its new tokens. Pages come from [first_page, first_page + needed)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    model_dtype = MODEL_DTYPE.get(kv, torch.float32)
+    layout = BlockLayout(num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim, block_size=bs, kv_dtype=kv)
+    need = sum(-(-(p + n) // bs) for p, n in zip(prefix_lens, num_new))
+    n_pages = first_page + need + spare_pages
+    cache = KVCache(layout, n_pages, len(prefix_lens) + 1, model_dtype, device)
+    cache.residual.copy_(torch.randn(cache.residual.shape, generator=g).to(model_dtype))
+    ids = first_page + torch.randperm(need + spare_pages, generator=g)
+    kk = torch.randn(need + spare_pages, bs, kv_heads, head_dim, generator=g) * 3  # keys larger, as in LLMs
+    vv = torch.randn(need + spare_pages, bs, kv_heads, head_dim, generator=g)
+    store_blocks(cache.layer_view(layer), ids.to(device), quantize_blocks(kk.to(device), vv.to(device), kv))
+    slots = torch.randperm(len(prefix_lens) + 1, generator=g)
+    seqs, pos = [], 0
+    for i, (p, n) in enumerate(zip(prefix_lens, num_new)):
+        nb = -(-(p + n) // bs)
+        seqs.append(SeqSlice(p, n, ids[pos:pos + nb].tolist(), int(slots[i])))
+        pos += nb
+    meta = build_attention_metadata(seqs, layout, cache.num_residual_slots, device)
+    T, H = sum(num_new), kv_heads * gqa
+    q = torch.randn(T, H, head_dim, generator=g).to(device, model_dtype)
+    k = torch.randn(T, kv_heads, head_dim, generator=g).to(device, model_dtype)
+    v = torch.randn(T, kv_heads, head_dim, generator=g).to(device, model_dtype)
+    return cache, meta, q, k, v
+
+
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def check(kv, gqa, head_dim, bs, prefix_lens, num_new, attend=None, **kw) -> float:
+    cache, meta, q, k, v = make_case(kv, gqa, head_dim, bs, prefix_lens, num_new, **kw)
+    layer = kw.get("layer", 1)
+    scale = head_dim ** -0.5
+    ref = TorchBackend().attend(cache, layer, q, k, v, meta, scale)
+    out = (attend or TritonBackend().attend)(cache, layer, q, k, v, meta, scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    err = rel_l2(out, ref)
+    assert err <= TOL[kv], f"{kv} gqa={gqa} D={head_dim} bs={bs}: relative L2 {err:.2e} > {TOL[kv]}"
+    return err
+
+
+@pytest.mark.parametrize("kv,gqa,head_dim,bs", GRID)
+def test_decode_matches_torch(kv, gqa, head_dim, bs):
+    # ragged: empty prefix, residual-only, exact pages, pages + tail
+    check(kv, gqa, head_dim, bs, [0, bs - 3, 2 * bs, 3 * bs + 5], [1, 1, 1, 1])
+
+
+@pytest.mark.parametrize("kv,gqa,head_dim,bs", GRID)
+def test_extend_matches_torch(kv, gqa, head_dim, bs):
+    # chunked prefill from scratch, an extend over pages + tail, and a decode row in the same step
+    check(kv, gqa, head_dim, bs, [0, 2 * bs + 3, bs], [bs + 5, 9, 1])
+
+
+@pytest.mark.parametrize("kv", ["fp16", "int8", "int4"])
+@pytest.mark.parametrize("splits", [2, 3])
+def test_decode_splits_match_torch(kv, splits):
+    # more splits than some sequences have pages: empty splits must drop out of the reduction
+    def attend(cache, layer, q, k, v, meta, scale):
+        return decode_attention(cache, layer, q, k, v, meta, scale, splits=splits, block_n=16)
+    check(kv, 4, 64, 16, [5, 16, 4 * 16 + 1], [1, 1, 1], attend=attend)
+
+
+def test_prefill_multiple_tiles_causal():
+    # tiles of 16 rows = 4 tokens x 4 heads: the causal mask crosses tile edges
+    def attend(cache, layer, q, k, v, meta, scale):
+        return prefill_attention(cache, layer, q, k, v, meta, scale, block_m=16, block_n=16,
+                                 num_warps=4, num_stages=1)
+    check("fp16", 4, 64, 16, [20, 0], [11, 7], attend=attend)
+
+
+def test_decode_rejects_multi_token_step():
+    cache, meta, q, k, v = make_case("fp16", 2, 64, 16, [3], [2])
+    with pytest.raises(ValueError, match="one new token"):
+        decode_attention(cache, 1, q, k, v, meta, 0.125)
+
+
+def test_bad_shapes_name_the_tensor():
+    cache, meta, q, k, v = make_case("fp16", 2, 64, 16, [3], [1])
+    with pytest.raises(ValueError, match="k must be"):
+        TritonBackend().attend(cache, 1, q, k[:, :1], v, meta, 0.125)
+    with pytest.raises(ValueError, match="layer must be"):
+        TritonBackend().attend(cache, 2, q, k, v, meta, 0.125)
+
+
+def test_num_splits_from_shapes():
+    assert num_splits(256, 8, 1024, 132) == 1  # enough programs already
+    assert num_splits(8, 8, 32768, 132) > 4  # 64 programs for 132 SMs: split the sequence
+    assert num_splits(1, 8, 300, 132) == 1  # too short to split
+
+
+# ----------------------------------------------------------------------------- GPU (H200)
+
+GPU_GRID = [(dt, g, d, bs) for dt in DTYPES for (g, d, bs) in [(1, 128, 16), (4, 128, 16), (8, 64, 32)]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv,gqa,head_dim,bs", GPU_GRID)
+def test_gpu_decode_and_extend(kv, gqa, head_dim, bs):
+    # real head counts, ragged contexts up to 3k tokens; decode both with and without splits
+    lens = [0, 17, 1000, 3000, 64, 2049, 511, 129]
+    check(kv, gqa, head_dim, bs, lens, [1] * len(lens), kv_heads=8, device="cuda", num_layers=2)
+    check(kv, gqa, head_dim, bs, lens, [1] * len(lens), kv_heads=8, device="cuda",
+          attend=lambda *a: decode_attention(*a, splits=7))
+    check(kv, gqa, head_dim, bs, [0, 700, 33, 1500], [300, 129, 1, 77], kv_heads=8, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["fp16", "fp8_e4m3", "int8", "int4"])
+def test_gpu_pool_past_65536_pages(kv):
+    # pages >= 70,000 of a one-layer pool: page * page_bytes passes 2**32 (int64 offsets needed)
+    check(kv, 4, 128, 16, [4000, 20, 1600], [1, 1, 1], kv_heads=8, num_layers=1, layer=0,
+          device="cuda", first_page=70_000)
+    check(kv, 4, 128, 16, [300, 1000], [200, 64], kv_heads=8, num_layers=1, layer=0,
+          device="cuda", first_page=70_000)
