@@ -205,3 +205,73 @@ def test_chunked_steps_match_dense_attention_over_quantized_blocks(kv_dtype):
 def _view_of(qb):
     from kvmesh.kv.pool import LayerView
     return LayerView(qb.k, qb.v, qb.k_scale, qb.v_scale)
+
+
+def test_long_prefill_uses_query_chunks_and_matches():
+    """More new tokens than one query chunk (512), after a cached prefix with a residual tail."""
+    gen = torch.Generator().manual_seed(11)
+    layout = BlockLayout(LAYERS, 1, D, BS, "int8")
+    big = KVCache(layout, (13 + 530) // BS + 1, SLOTS, torch.float32)
+    for layer in range(LAYERS):  # valid scales: quantize fresh blocks into every page
+        n = big.num_blocks
+        store_blocks(big.layer_view(layer), torch.arange(n),
+                     quantize_blocks(torch.randn(n, BS, 1, D, generator=gen), torch.randn(n, BS, 1, D, generator=gen), "int8"))
+    big.residual.copy_(torch.randn(big.residual.shape, generator=gen))
+    seqs = [SeqSlice(13, 530, torch.randperm(big.num_blocks, generator=gen)[:(13 + 530) // BS].tolist(), 3)]
+    q = torch.randn(530, 2, D, generator=gen)
+    k = torch.randn(530, 1, D, generator=gen)
+    v = torch.randn(530, 1, D, generator=gen)
+    meta = build_attention_metadata(seqs, layout, SLOTS, "cpu")
+    got = TorchBackend().attend(big, 0, q, k, v, meta, D ** -0.5)
+    want = reference_attend(big, 0, q, k, v, seqs, D ** -0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_model_dtype(model_dtype):
+    """Residual slots and q/k/v in the model's half dtype; softmax still accumulates in fp32."""
+    gen = torch.Generator().manual_seed(12)
+    layout = BlockLayout(LAYERS, 2, D, BS, "fp8_e4m3")
+    cache = KVCache(layout, NUM_BLOCKS, SLOTS, model_dtype)
+    for layer in range(LAYERS):
+        store_blocks(cache.layer_view(layer), torch.arange(NUM_BLOCKS),
+                     quantize_blocks(torch.randn(NUM_BLOCKS, BS, 2, D, generator=gen),
+                                     torch.randn(NUM_BLOCKS, BS, 2, D, generator=gen), "fp8_e4m3"))
+    cache.residual.copy_(torch.randn(cache.residual.shape, generator=gen))
+    seqs = make_slices([(13, 11), (21, 1), (0, 5)], gen)
+    q = torch.randn(17, 4, D, generator=gen).to(model_dtype)
+    k = torch.randn(17, 2, D, generator=gen).to(model_dtype)
+    v = torch.randn(17, 2, D, generator=gen).to(model_dtype)
+    meta = build_attention_metadata(seqs, layout, SLOTS, "cpu")
+    got = TorchBackend().attend(cache, 0, q, k, v, meta, D ** -0.5)
+    assert got.dtype == model_dtype
+    want = reference_attend(cache, 0, q, k, v, seqs, D ** -0.5)
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+    TorchBackend().write(cache, 0, k, v, meta)
+    s = seqs[0]  # 13 + 11 = 24: blocks 1 and 2 complete, no tail left
+    assert meta.write.block_ids.tolist() == s.block_table[1:3]
+    assert meta.write.residual_src.numel() == 1 + 5  # seq 1's token 21, seq 2's five tokens
+    assert cache.residual.dtype == model_dtype
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+def test_attend_and_write_on_gpu_match_cpu(kv_dtype):
+    gen = torch.Generator().manual_seed(13)
+    cpu = make_cache(kv_dtype, 2, gen)
+    gpu = KVCache(cpu.layout, NUM_BLOCKS, SLOTS, torch.float32, "cuda")
+    gpu.pool.copy_(cpu.pool)
+    gpu.residual.copy_(cpu.residual)
+    seqs = make_slices(CASES["mixed"], gen)
+    T = sum(s.num_new for s in seqs)
+    q, k, v = (torch.randn(T, h, D, generator=gen) for h in (6, 2, 2))
+    be = TorchBackend()
+    outs = []
+    for cache, dev in ((cpu, "cpu"), (gpu, "cuda")):
+        meta = build_attention_metadata(seqs, cache.layout, SLOTS, dev)
+        outs.append(be.attend(cache, 1, q.to(dev), k.to(dev), v.to(dev), meta, D ** -0.5).cpu())
+        be.write(cache, 1, k.to(dev), v.to(dev), meta)
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(gpu.residual.cpu(), cpu.residual)
+    if kv_dtype in ("fp32", "fp16", "bf16", "int8", "int4"):
+        assert torch.equal(gpu.pool.cpu(), cpu.pool)
