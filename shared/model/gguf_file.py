@@ -138,8 +138,8 @@ class GGUFFile:
         if name not in self.tensors:
             raise ValueError(f"GGUF file {str(self.path)!r} has no tensor {name!r}")
         info = self.tensors[name]
-        out = dequantize(self.raw(name), info.qtype)
-        return np.ascontiguousarray(out, dtype=np.float32).reshape(info.shape)
+        out = dequantize(self.raw(name), info.qtype)  # F32 comes back as a read-only view of the map
+        return np.array(out, dtype=np.float32, copy=True).reshape(info.shape)
 
     def header_digest(self) -> str:
         """SHA-256 over the metadata and tensor index bytes (not the tensor data): cheap and stable."""
