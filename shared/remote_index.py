@@ -95,9 +95,12 @@ class RemoteIndex:
         self.url = url.rstrip("/")
         self._timeout = ClientTimeout(total=timeout_s)
         self._session: Optional[ClientSession] = None  # made on first use, inside the running loop
+        self._closed = False
 
     async def _call(self, path: str, body: dict) -> dict:
-        if self._session is None or self._session.closed:
+        if self._closed:  # a new session now would never be closed
+            raise RuntimeError(f"index {self.url} used after close()")
+        if self._session is None:
             self._session = ClientSession(timeout=self._timeout)
         data = msgpack.packb(body, use_bin_type=True)
         async with self._session.post(self.url + path, data=data,
@@ -121,6 +124,7 @@ class RemoteIndex:
         await self._call("/drop_holder", {"holder": holder})
 
     async def close(self) -> None:
+        self._closed = True
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -1,0 +1,133 @@
+"""`kvmesh up`: the whole stack as separate processes with a real redis-server; the official openai client;
+SIGINT stops every child. Plus: a child that dies stops the rest with a message naming it."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from kvmesh.launcher import Stack, StackConfig, StackError
+
+STARTUP_S = 400  # two workers load SmolLM2 on a shared 2-core machine
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:  # field 4 of stat: parent pid
+                out.append(int(entry))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class _Output:
+    """Collects a process's output lines on a thread; `wait_for` a regex with a timeout."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.lines: list[str] = []
+        self.cond = threading.Condition()
+        threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+
+    def _read(self, proc) -> None:
+        for line in proc.stdout:
+            with self.cond:
+                self.lines.append(line.rstrip("\n"))
+                self.cond.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        rx, deadline, seen = re.compile(pattern), time.monotonic() + timeout, 0
+        with self.cond:
+            while True:
+                for line in self.lines[seen:]:
+                    m = rx.search(line)
+                    if m:
+                        return m
+                seen = len(self.lines)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"no line matching {pattern!r}; output:\n" + "\n".join(self.lines[-60:]))
+                self.cond.wait(left)
+
+
+@pytest.mark.timeout(STARTUP_S + 300)
+def test_kvmesh_up_serves_openai_client_and_sigint_stops_all(redis_flush):
+    import openai
+    import redis
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    cmd = [sys.executable, "-m", "kvmesh", "up", "--port", "0", "--redis-url", redis_flush,
+           "--max-num-seqs", "4", "--kv-cache-memory", "64MiB", "--kvstore-capacity-bytes", str(64 << 20),
+           "--startup-timeout", str(STARTUP_S), "--api-key", "test-key"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    out = _Output(proc)
+    try:
+        url = out.wait_for(r"kvmesh is up: (http://\S+)/v1", STARTUP_S + 30).group(1)
+        children = _children(proc.pid)
+        assert len(children) == 4, children  # kvstore, prefill, decode, gateway (Redis replaces the index)
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            assert r.status == 200
+
+        client = openai.OpenAI(base_url=url + "/v1", api_key="test-key", max_retries=0, timeout=300)
+        system = ("You are a terse assistant for a hardware store. Answer in one short sentence. "
+                  "Never mention prices. Always be polite and precise about tools. ") * 3
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "Name one tool."}]
+        first = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=0)
+        second = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=0)
+        assert first.choices[0].message.content and first.usage.completion_tokens > 0
+        assert second.choices[0].message.content == first.choices[0].message.content  # greedy, cached prefix
+        assert second.usage.prompt_tokens_details.cached_tokens > 0
+
+        stream = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=0,
+                                                stream=True)
+        pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+        assert "".join(pieces) == first.choices[0].message.content
+
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+        r = redis.Redis.from_url(redis_flush)
+        assert r.keys("kvmesh:blk:*"), "the index in Redis holds no blocks"
+        r.close()
+
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        out.wait_for(r"kvmesh up: stopped \(", 5)
+        assert not [c for c in children if _alive(c)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_dead_child_stops_the_rest_with_a_clear_message():
+    cfg = StackConfig(port=0, startup_timeout_s=120, kvstore_capacity_bytes=16 << 20,
+                      extra_args=(("decode", ("--lease-seconds", "-1")),))
+    stack = Stack(cfg)
+    with pytest.raises(StackError) as e:
+        stack.start()
+    msg = str(e.value)
+    assert msg.startswith("decode-0 (pid ") and "exited with code 2" in msg
+    assert "--lease-seconds must be positive, got -1.0" in msg
+    assert stack.children and all(c.returncode() is not None for c in stack.children)
+    assert not [c.pid for c in stack.children if _alive(c.pid)]
