@@ -147,6 +147,9 @@ def build_app(cfg: GatewayConfig, *, tokenizer: Any = None, index: Any = None,
 
 async def serve(cfg: GatewayConfig, *, ready: Optional[asyncio.Future] = None, **app_kwargs) -> None:
     """Serve until cancelled. `ready` (optional) gets the bound port once listening."""
+    if cfg.dtype == "auto" and cfg.device == "auto" and cfg.kv_cache_dtype == "auto":
+        log.warning("--kv-cache-dtype auto with --dtype auto: assuming CPU workers (fp32 KV) for block "
+                    "hashes; pass --dtype or --device as the workers get it, or prefix hits go unseen")
     app = build_app(cfg, **app_kwargs)
     # handler_cancellation: a client that disconnects cancels its handler, hence its gRPC calls.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+import jinja2
 from aiohttp import web
 
 from kvmesh.gateway import responses as R
@@ -27,6 +28,15 @@ class Job:
     text: str  # the prompt as text (echo)
     max_tokens: int  # sent to the worker
     score_only: bool  # echo with max_tokens 0: the worker's one token is dropped
+
+
+def render_chat(gw: Gateway, messages, add_generation_prompt: bool) -> str:
+    """The chat template's text; a template that rejects the conversation is the client's 400."""
+    try:
+        return gw.tokenizer.apply_chat_template([dict(m) for m in messages],
+                                                add_generation_prompt=add_generation_prompt)
+    except (ValueError, jinja2.TemplateError) as e:
+        raise ApiError(400, str(e), param="messages") from None
 
 
 def token_text(gw: Gateway, token_id: int) -> str:
@@ -229,8 +239,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     req = parse_chat(await read_json(request))
     gw.check_model(req.common.model)
-    text = gw.tokenizer.apply_chat_template([dict(m) for m in req.messages],
-                                            add_generation_prompt=req.add_generation_prompt)
+    text = render_chat(gw, req.messages, req.add_generation_prompt)
     # the template already holds BOS where the model wants one
     ids = gw.tokenizer.encode(text, add_special_tokens=False)
     job = make_job(gw, ids, text, req.common, "messages")
@@ -266,8 +275,7 @@ async def tokenize(request: web.Request) -> web.Response:
     req = parse_tokenize(await read_json(request))
     gw.check_model(req["model"])
     if "chat" in req:
-        text = gw.tokenizer.apply_chat_template([dict(m) for m in req["chat"]],
-                                                add_generation_prompt=req["add_generation_prompt"])
+        text = render_chat(gw, req["chat"], req["add_generation_prompt"])
     else:
         text = req["prompt"]
     ids = gw.tokenizer.encode(text, add_special_tokens=req["add_special_tokens"])
