@@ -8,6 +8,7 @@ client), but lives in `kvmesh` because two services share it and a service impor
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Collection, Sequence
@@ -15,6 +16,8 @@ from typing import Any, Collection, Sequence
 from kvmesh.engine.outputs import ExportedBlock
 from kvmesh.kv.layout import BlockLayout
 from kvmesh.kvstore.block import StoredBlock
+
+log = logging.getLogger(__name__)
 
 
 def layout_id(model_id: str, layout: BlockLayout) -> str:
@@ -31,6 +34,8 @@ class PullResult:
     """Requested blocks the store no longer had (or had in another layout): they get recomputed."""
     nbytes: int
     seconds: float
+    error: str = ""
+    """Why the store could not be read (the request goes on and recomputes)."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,8 @@ class PushResult:
     """Blocks sent to the kvstore."""
     nbytes: int
     seconds: float
+    error: str = ""
+    """Why the store could not be written (readers will recompute those blocks)."""
 
 
 class BlockTransfer:
@@ -61,7 +68,11 @@ class BlockTransfer:
         want = [h for h in hashes if h not in local]
         if not want:
             return PullResult([], 0, 0, 0.0)
-        got = await self.kvstore.get(want, lease_holder=self.holder, lease_seconds=self.lease_seconds)
+        try:
+            got = await self.kvstore.get(want, lease_holder=self.holder, lease_seconds=self.lease_seconds)
+        except Exception as e:  # no store reachable: a cache miss, not a failed request
+            log.warning("kvstore get of %d blocks failed, recomputing them: %s", len(want), e)
+            return PullResult([], len(want), 0, time.perf_counter() - start, error=str(e))
         try:
             usable: list[ExportedBlock] = []
             for h, blk in zip(want, got):
@@ -75,7 +86,10 @@ class BlockTransfer:
         finally:
             leased = [h for h, blk in zip(want, got) if blk is not None]
             if leased:
-                await self.kvstore.release(leased, self.holder)
+                try:
+                    await self.kvstore.release(leased, self.holder)
+                except Exception as e:  # the leases expire after --lease-seconds anyway
+                    log.warning("kvstore release of %d blocks failed: %s", len(leased), e)
         nbytes = sum(len(b.data) for b in usable)
         return PullResult([b.hash for b in usable], len(want) - chain_end, nbytes,
                           time.perf_counter() - start)
@@ -85,12 +99,14 @@ class BlockTransfer:
         without asking). Returns what was sent."""
         start = time.perf_counter()
         todo = [b for b in blocks if b.hash not in known]
-        if todo:
-            present = await self.kvstore.contains([b.hash for b in todo])
-            todo = [b for b, p in zip(todo, present) if not p]
-        if not todo:
-            return PushResult(0, 0, time.perf_counter() - start)
-        stored = [StoredBlock(hash=b.hash, token_ids=list(b.token_ids), data=b.data, layout=self.layout_id)
-                  for b in todo]
-        await self.kvstore.put(stored)
-        return PushResult(len(stored), sum(len(b.data) for b in todo), time.perf_counter() - start)
+        try:
+            if todo:
+                present = await self.kvstore.contains([b.hash for b in todo])
+                todo = [b for b, p in zip(todo, present) if not p]
+            if todo:
+                await self.kvstore.put([StoredBlock(hash=b.hash, token_ids=list(b.token_ids), data=b.data,
+                                                    layout=self.layout_id) for b in todo])
+        except Exception as e:  # the store is advisory for correctness: readers recompute
+            log.warning("kvstore put of %d blocks failed: %s", len(todo), e)
+            return PushResult(0, 0, time.perf_counter() - start, error=str(e))
+        return PushResult(len(todo), sum(len(b.data) for b in todo), time.perf_counter() - start)

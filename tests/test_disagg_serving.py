@@ -55,22 +55,55 @@ def _engine_config(kv_dtype: str) -> EngineConfig:
 
 @dataclass
 class Stack:
+    """One kvstore node, one prefill worker, decode workers (the second started on first use), the
+    single-process reference, one shared in-memory index. Every engine loads SmolLM2 (~7 s each)."""
+
     kv_dtype: str
     index: MemoryIndex
     kvstore: KVStoreServer
-    prefill: PrefillWorker
-    decode: list[DecodeWorker]
     reference: LLM
-    channels: list[grpc.aio.Channel]
+    workers: list = dataclasses.field(default_factory=list)  # prefill, decode 0, decode 1
+    channels: list = dataclasses.field(default_factory=list)
+    clients: list = dataclasses.field(default_factory=list)
+
+    async def add_worker(self, cls, cfg_cls, **extra):
+        common = dict(engine=_engine_config(self.kv_dtype), kvstore=(self.kvstore.address,), port=0,
+                      publish_interval=0.01)
+        cfg = cfg_cls(**common, **extra)
+        client = GrpcKVStoreClient([self.kvstore.address])
+        self.clients.append(client)
+        w = cls(cfg, AsyncEngine(await asyncio.to_thread(LLMEngine, cfg.engine)), client, self.index)
+        await w.start()
+        self.workers.append(w)
+        self.channels.append(grpc.aio.insecure_channel(w.address))
+
+    @property
+    def prefill(self) -> PrefillWorker:
+        return self.workers[0]
+
+    async def decode(self, i: int) -> DecodeWorker:
+        while len(self.workers) < 2 + i:
+            await self.add_worker(DecodeWorker, DecodeConfig, metrics_port=0)
+        return self.workers[1 + i]
 
     def prefill_stub(self) -> pb_grpc.PrefillStub:
         return pb_grpc.PrefillStub(self.channels[0])
 
-    def decode_stub(self, i: int) -> pb_grpc.DecodeStub:
+    async def decode_stub(self, i: int) -> pb_grpc.DecodeStub:
+        await self.decode(i)
         return pb_grpc.DecodeStub(self.channels[1 + i])
 
     def hashes(self, prompt: list[int]) -> list[bytes]:
         return block_hashes(prompt, self.reference.llm_engine.hash_context())
+
+    async def close(self) -> None:
+        for ch in self.channels:
+            await ch.close()
+        for w in self.workers:
+            await w.stop(grace=0.5)
+        for c in self.clients:
+            await c.close()
+        await self.kvstore.stop(grace=0.5)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=["auto", "fp8"])
@@ -80,33 +113,16 @@ async def stack(request):
     index = MemoryIndex()
     kvstore = KVStoreServer(KVStoreConfig(port=0, capacity_bytes=256 << 20, publish_interval=0.01), index=index)
     await kvstore.start()
-    ecfg = _engine_config(kv_dtype)
     reference = await asyncio.to_thread(LLM, "smollm2", device="cpu", kv_cache_dtype=kv_dtype,
                                         block_size=BS, kv_cache_memory=KV_MEMORY, max_num_seqs=4,
                                         max_model_len=MAX_MODEL_LEN)
-    common = dict(engine=ecfg, kvstore=(kvstore.address,), port=0, publish_interval=0.01)
-    clients = []
-
-    async def worker(cls, cfg):
-        client = GrpcKVStoreClient([kvstore.address])
-        clients.append(client)
-        w = cls(cfg, AsyncEngine(await asyncio.to_thread(LLMEngine, ecfg)), client, index)
-        await w.start()
-        return w
-
-    prefill = await worker(PrefillWorker, PrefillConfig(**common))
-    decode = [await worker(DecodeWorker, DecodeConfig(**common, metrics_port=0 if i == 0 else None))
-              for i in range(2)]
-    channels = [grpc.aio.insecure_channel(w.address) for w in [prefill, *decode]]
-    s = Stack(kv_dtype, index, kvstore, prefill, decode, reference, channels)
-    yield s
-    for ch in channels:
-        await ch.close()
-    for w in [prefill, *decode]:
-        await w.stop(grace=0.5)
-    for c in clients:
-        await c.close()
-    await kvstore.stop(grace=0.5)
+    s = Stack(kv_dtype, index, kvstore, reference)
+    try:
+        await s.add_worker(PrefillWorker, PrefillConfig)
+        await s.decode(0)
+        yield s
+    finally:
+        await s.close()
 
 
 def _prompt(n: int) -> list[int]:
@@ -125,7 +141,7 @@ async def _disagg(stack: Stack, prompt: list[int], params: SamplingParams, decod
     refs = [pb.BlockRef(hash=h, node=stack.kvstore.address) for h in cached]
     reply = await stack.prefill_stub().Prefill(pb.PrefillRequest(
         request_id=f"t-{random.random()}", prompt_token_ids=prompt, sampling=sampling, cached_blocks=refs))
-    chunks = [c async for c in stack.decode_stub(decode).Generate(pb.GenerateRequest(
+    chunks = [c async for c in (await stack.decode_stub(decode)).Generate(pb.GenerateRequest(
         request_id=f"t-{random.random()}", prompt_token_ids=prompt, sampling=sampling, prefilled=reply))]
     tokens = [reply.first_token] + [t for c in chunks for t in c.token_ids]
     text = reply.first_text + "".join(c.text for c in chunks)
@@ -146,10 +162,11 @@ async def test_disaggregated_output_equals_single_process(stack: Stack):
     assert {b.node for b in reply.blocks} == {stack.kvstore.address}
     assert reply.tail.num_tokens == 5 and reply.tail.dtype == "fp32"
     # The prompt's blocks are in the store now (the decode worker pulled them from there).
-    present = await stack.decode[0].transfer.kvstore.contains(stack.hashes(prompt))
+    present = await stack.clients[0].contains(stack.hashes(prompt))
     assert present == [True, True]
 
 
+@pytest.mark.parametrize("stack", ["auto"], indirect=True)  # a second decode engine costs a model load
 async def test_second_turn_hits_blocks_of_first_turns_decode_worker(stack: Stack):
     p1 = _prompt(40)
     out1, _, _, _ = await _disagg(stack, p1, _greedy(26), decode=0)
@@ -165,7 +182,8 @@ async def test_second_turn_hits_blocks_of_first_turns_decode_worker(stack: Stack
         if all(stack.kvstore.address in h for h in holders) or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.02)
-    a, b, pf, store = stack.decode[0].address, stack.decode[1].address, stack.prefill.address, stack.kvstore.address
+    a, b = (await stack.decode(0)).address, (await stack.decode(1)).address
+    pf, store = stack.prefill.address, stack.kvstore.address
     assert all(store in h for h in holders), holders
     # Blocks 2 and 3 hold generated text: only turn 1's decode worker computed them.
     assert all(a in h and pf not in h for h in holders[2:]), holders
@@ -174,7 +192,7 @@ async def test_second_turn_hits_blocks_of_first_turns_decode_worker(stack: Stack
 
     params = _greedy(8)
     ref2 = (await asyncio.to_thread(stack.reference.generate, [p2], params))[0]
-    chunks = [c async for c in stack.decode_stub(1).Generate(pb.GenerateRequest(
+    chunks = [c async for c in (await stack.decode_stub(1)).Generate(pb.GenerateRequest(
         request_id="turn2", prompt_token_ids=p2, sampling=convert.sampling_to_proto(params), do_prefill=True,
         cached_blocks=[pb.BlockRef(hash=h, node=store) for h in hashes]))]
     assert chunks[0].num_cached_tokens == 4 * BS
@@ -184,14 +202,14 @@ async def test_second_turn_hits_blocks_of_first_turns_decode_worker(stack: Stack
 
 
 async def test_cancelled_stream_frees_blocks(stack: Stack):
-    engine = stack.decode[0].runtime.engine
+    engine = (await stack.decode(0)).runtime.engine
     base = await engine.run(lambda e: e.stats())
     assert base.num_running == 0
     params = convert.sampling_to_proto(_greedy(200))
     prompt = _prompt(3 * BS + 2)
     reply = await stack.prefill_stub().Prefill(pb.PrefillRequest(
         request_id="cancel-me", prompt_token_ids=prompt, sampling=params))
-    call = stack.decode_stub(0).Generate(pb.GenerateRequest(
+    call = (await stack.decode_stub(0)).Generate(pb.GenerateRequest(
         request_id="cancel-me", prompt_token_ids=prompt, sampling=params, prefilled=reply))
     got = 0
     async for chunk in call:
@@ -217,7 +235,7 @@ async def test_short_prompt_with_do_prefill(stack: Stack):
     prompt = _prompt(6)
     params = dataclasses.replace(_greedy(6), logprobs=2)
     ref = (await asyncio.to_thread(stack.reference.generate, [prompt], params))[0].outputs[0]
-    chunks = [c async for c in stack.decode_stub(1).Generate(pb.GenerateRequest(
+    chunks = [c async for c in (await stack.decode_stub(1)).Generate(pb.GenerateRequest(
         request_id="short", prompt_token_ids=prompt, sampling=convert.sampling_to_proto(params),
         do_prefill=True))]
     assert [t for c in chunks for t in c.token_ids] == ref.token_ids
@@ -233,7 +251,7 @@ async def test_health_metrics_and_bad_requests(stack: Stack):
     for ch in stack.channels:
         reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""))
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
-    port = stack.decode[0].runtime.metrics_port
+    port = (await stack.decode(0)).runtime.metrics_port
     async with aiohttp.ClientSession() as http:
         async with http.get(f"http://127.0.0.1:{port}/metrics") as resp:
             body = await resp.text()
@@ -248,6 +266,6 @@ async def test_health_metrics_and_bad_requests(stack: Stack):
             prompt_token_ids=_prompt(MAX_MODEL_LEN + 1), sampling=pb.SamplingParams(max_tokens=4)))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max-model-len" in e.value.details()
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        _ = [c async for c in stack.decode_stub(0).Generate(pb.GenerateRequest(
+        _ = [c async for c in (await stack.decode_stub(0)).Generate(pb.GenerateRequest(
             prompt_token_ids=_prompt(20), sampling=pb.SamplingParams(max_tokens=4)))]
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prefilled" in e.value.details()

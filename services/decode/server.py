@@ -132,7 +132,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             self.metrics.e2e_request_latency_seconds.observe(time.perf_counter() - start)
             span.set_attribute("kvmesh.generated_tokens", sent_tokens)
             if final is not None and final.kv_export is not None:
-                known = {r.hash for r in refs} | set(pulled.imported)
+                known = set(pulled.imported)  # the rest: asked with Contains (refs may have been stale)
                 # Shielded: a caller that hangs up after the last chunk must not lose the blocks.
                 await asyncio.shield(self.runtime.spawn(self._push(final.kv_export.blocks, known)))
 

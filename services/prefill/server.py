@@ -84,7 +84,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             self.metrics.time_to_first_token_seconds.observe(ttft)
 
             export = final.kv_export
-            known = {r.hash for r in refs} | set(pulled.imported)
+            known = set(pulled.imported)  # the rest: asked with Contains (refs may have been stale)
             # The decode worker pulls these next: they must be in the store before the reply.
             pushed = await self.transfer.push(export.blocks, known=known)
             span.set_attribute("kvmesh.pushed_blocks", pushed.stored)
