@@ -131,3 +131,33 @@ def test_dead_child_stops_the_rest_with_a_clear_message():
     assert "--lease-seconds must be positive, got -1.0" in msg
     assert stack.children and all(c.returncode() is not None for c in stack.children)
     assert not [c.pid for c in stack.children if _alive(c.pid)]
+
+
+@pytest.mark.timeout(STARTUP_S + 200)
+def test_stack_in_memory_index_is_shared_across_processes():
+    """Default `kvmesh up` index: one MemoryIndex process. The gateway's lookup (its process) must see
+    blocks a decode worker (another process) published: the router predicts cached tokens."""
+    import io
+
+    import openai
+
+    log = io.StringIO()
+    cfg = StackConfig(port=0, num_prefill=0, startup_timeout_s=STARTUP_S, kvstore_capacity_bytes=64 << 20,
+                      engine_flags=("--max-num-seqs", "4", "--kv-cache-memory", "64MiB"))
+    with Stack(cfg, log=log) as stack:
+        assert stack.index_url.startswith("http://127.0.0.1:")
+        assert [c.name for c in stack.children] == ["index", "kvstore-0", "decode-0", "gateway"]
+        client = openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        messages = [{"role": "system", "content": "Answer briefly and only about cooking. " * 8},
+                    {"role": "user", "content": "Boil or fry an egg?"}]
+        answers = [client.chat.completions.create(model="smollm2", messages=messages, max_tokens=4,
+                                                  temperature=0) for _ in range(2)]
+        assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+        with urllib.request.urlopen(stack.url + "/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        predicted = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                     if line.startswith("kvmesh:router_predicted_hit_tokens_total")]
+        assert predicted and predicted[0] >= 16, metrics[:2000]
+    codes = {c.name: c.returncode() for c in stack.children}
+    assert codes == {"index": 0, "kvstore-0": 0, "decode-0": 0, "gateway": 0}, log.getvalue()[-3000:]
+    assert "Traceback" not in log.getvalue(), log.getvalue()[-3000:]
