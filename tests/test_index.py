@@ -30,6 +30,7 @@ async def test_lookup_reports_holders_in_order(index):
     assert got == [frozenset({"10.0.0.1:50061"}), frozenset({"10.0.0.1:50061", "10.0.0.2:50061"}),
                    frozenset({"10.0.0.2:50061"}), frozenset()]
     assert await index.lookup([]) == []
+    assert await index.lookup(rand_hashes(3)) == [frozenset()] * 3  # nothing held at all
 
 
 async def test_removed_and_drop_holder(index):
@@ -68,6 +69,15 @@ async def test_redis_keys_ttl_and_cleanup(redis_flush):
         assert await raw.keys("t:*") == []
     finally:
         await raw.aclose()
+        await idx.close()
+
+
+async def test_redis_rejects_mixed_hash_lengths(redis_flush):
+    idx = RedisIndex(redis_flush)
+    try:
+        with pytest.raises(ValueError, match="one non-zero length"):
+            await idx.lookup([b"short", os.urandom(32)])
+    finally:
         await idx.close()
 
 

@@ -1,8 +1,9 @@
 """StoredBlock: one KV block as it travels between services (one buffer, never re-encoded)."""
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, field
+
+from kvmesh.kvstore.checksum import crc32 as _crc32
 
 
 @dataclass
@@ -20,5 +21,5 @@ class StoredBlock:
 
     def checksum(self) -> int:
         if self.crc32 is None:
-            self.crc32 = zlib.crc32(self.data)
+            self.crc32 = _crc32(self.data)
         return self.crc32

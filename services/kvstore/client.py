@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import zlib
 from typing import Iterable, Protocol, runtime_checkable
 
 import grpc
 
+from kvmesh.kvstore import checksum
 from kvmesh.kvstore.block import StoredBlock
 from kvmesh.kvstore.chunks import GRPC_OPTIONS, assemble, block_chunks
+from kvmesh.kvstore.malloc import tune_malloc
 from kvmesh.kvstore.rendezvous import node_for
 from kvmesh.kvstore.store import BlockStore, PutResult
 from kvmesh.wire import kvmesh_pb2 as pb
@@ -93,6 +94,7 @@ class GrpcKVStoreClient:
                  chunk_bytes: int = CHUNK_BYTES) -> None:
         if not addresses:
             raise ValueError("GrpcKVStoreClient: addresses is empty (pass at least one kvstore host:port)")
+        tune_malloc()  # 1 MiB messages: keep freed buffers for reuse (see malloc.py)
         self.addresses = list(dict.fromkeys(addresses))
         self.timeout = timeout
         self.retry_after = retry_after
@@ -167,7 +169,7 @@ class GrpcKVStoreClient:
                     continue
                 data = bytes(data) if isinstance(data, bytearray) else data
                 block = StoredBlock(header.hash, list(header.token_ids), data, header.layout, crc32=header.crc32)
-                if zlib.crc32(data) != header.crc32:
+                if checksum.crc32(data) != header.crc32:
                     raise BlockCorrupted(f"block {header.hash.hex()[:16]} from kvstore {node}: crc32 mismatch")
                 out.append(block)
             if len(out) != len(idx):

@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvmesh.index import PrefixIndex, make_index
 from kvmesh.kvstore.chunks import GRPC_OPTIONS, StreamError, assemble, block_chunks, missing_chunk
 from kvmesh.kvstore.config import KVStoreConfig
+from kvmesh.kvstore.malloc import tune_malloc
 from kvmesh.kvstore.publisher import IndexPublisher
 from kvmesh.kvstore.store import BlockStore, ChecksumError, PutResult
 from kvmesh.wire import kvmesh_pb2 as pb
@@ -89,6 +90,7 @@ class KVStoreServer:
         return dataclasses.replace(self.cfg, port=self.port or self.cfg.port).holder
 
     async def start(self) -> int:
+        tune_malloc()
         server = grpc.aio.server(options=GRPC_OPTIONS + [("grpc.so_reuseport", 0)])
         pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self.store, self.cfg.chunk_bytes), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

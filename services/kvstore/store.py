@@ -13,12 +13,12 @@ Single-threaded by design: the gRPC server calls it from one event loop.
 from __future__ import annotations
 
 import time
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
 from typing import Callable
 
+from kvmesh.kvstore import checksum
 from kvmesh.kvstore.block import StoredBlock
 from kvmesh.kvstore.config import KVStoreConfig
 from kvmesh.kvstore.leases import LeaseTable
@@ -111,7 +111,7 @@ class BlockStore:
     def put(self, block_hash: bytes, data: bytes | bytearray | memoryview, token_ids: list[int] | tuple[int, ...],
             layout: str, crc32: int | None = None) -> PutResult:
         """Store one block; `crc32`, when given, must match the data (ChecksumError otherwise)."""
-        crc = zlib.crc32(data)
+        crc = checksum.crc32(data)
         if crc32 is not None and crc != crc32:
             raise ChecksumError(f"block {block_hash.hex()[:16]}: crc32 {crc:#010x} != header {crc32:#010x}")
         if self._primary is None:

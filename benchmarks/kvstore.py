@@ -1,0 +1,134 @@
+"""kvstore benchmark: put/get throughput over loopback gRPC (1 MiB blocks) and index lookups/s.
+
+    .venv/bin/python benchmarks/kvstore.py [--total-mib 512] [--streams 4] [--lookups 2000]
+
+The kvstore runs as its own process (`python -m kvmesh.kvstore`), as in a deployment; the client is
+GrpcKVStoreClient. Index lookups are of 256 hashes each (a 4,096-token prompt at block size 16), half
+of them held, against MemoryIndex and RedisIndex (a real redis-server started here).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from redis_server import RedisServer, free_port  # noqa: E402
+
+from kvmesh.index import MemoryIndex, RedisIndex  # noqa: E402
+from kvmesh.kvstore.client import GrpcKVStoreClient, StoredBlock  # noqa: E402
+
+MiB = 1 << 20
+
+
+async def wait_serving(address: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            try:
+                r = await stub.Check(health_pb2.HealthCheckRequest(service="kvmesh.v1.KVStore"), timeout=1.0)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                if time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(0.1)
+
+
+async def bench_transfer(total_mib: int, streams: int, batch: int) -> dict[str, float]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.kvstore", "--port", str(port), "--device", "cpu",
+                             "--capacity-bytes", str((total_mib + 64) * MiB), "--block-bytes", str(MiB)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    address = f"127.0.0.1:{port}"
+    try:
+        await wait_serving(address)
+        client = GrpcKVStoreClient([address])
+        payload = os.urandom(MiB)  # distinct blocks differ in their first bytes; crc computed per block
+        blocks = [StoredBlock(i.to_bytes(32, "big"), list(range(16)), i.to_bytes(8, "big") + payload[8:], "bench")
+                  for i in range(total_mib)]
+        for b in blocks:
+            b.checksum()  # the producer (prefill) computes it once when it exports the block
+        batches = [blocks[i:i + batch] for i in range(0, len(blocks), batch)]
+        await client.put(blocks[:2])  # warm up the channel
+
+        async def run(fn, work):
+            queue = list(work)
+
+            async def worker():
+                while queue:
+                    await fn(queue.pop())
+            t0 = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(streams)))
+            return time.perf_counter() - t0
+
+        put_s = await run(client.put, batches)
+        got_bytes = 0
+
+        async def get(bs):
+            nonlocal got_bytes
+            out = await client.get([b.hash for b in bs])
+            got_bytes += sum(len(o.data) for o in out if o is not None)
+        get_s = await run(get, batches)
+        await client.close()
+        if got_bytes != total_mib * MiB:
+            raise RuntimeError(f"got {got_bytes} bytes back, expected {total_mib * MiB}")
+        return {"put": total_mib * MiB / put_s / 1e9, "get": total_mib * MiB / get_s / 1e9}
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def bench_index(index, lookups: int) -> float:
+    hashes = [os.urandom(32) for _ in range(256)]
+    await index.publish("127.0.0.1:50061", hashes[::2], [])
+    await index.lookup(hashes)
+    t0 = time.perf_counter()
+    for _ in range(lookups):
+        got = await index.lookup(hashes)
+    dt = time.perf_counter() - t0
+    assert sum(1 for g in got if g) == 128
+    return lookups / dt
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--total-mib", type=int, default=512, help="MiB moved each way (1 MiB blocks)")
+    ap.add_argument("--streams", type=int, default=4, help="concurrent put/get streams")
+    ap.add_argument("--batch", type=int, default=16, help="blocks per put/get call")
+    ap.add_argument("--lookups", type=int, default=2000, help="256-hash index lookups per backend")
+    args = ap.parse_args()
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+
+    rows = []
+    t = await bench_transfer(args.total_mib, args.streams, args.batch)
+    rows.append(("kvstore put, 1 MiB blocks, loopback gRPC", f"{t['put']:.2f} GB/s"))
+    rows.append(("kvstore get, 1 MiB blocks, loopback gRPC", f"{t['get']:.2f} GB/s"))
+    mem = MemoryIndex()
+    rows.append(("index lookup, 256 hashes, MemoryIndex", f"{await bench_index(mem, args.lookups):,.0f} lookups/s"))
+    with RedisServer() as server:
+        red = RedisIndex(server.url)
+        rate = await bench_index(red, args.lookups)
+        await red.close()
+    rows.append(("index lookup, 256 hashes, RedisIndex", f"{rate:,.0f} lookups/s"))
+    width = max(len(r[0]) for r in rows)
+    print(f"{'benchmark':<{width}}  result")
+    print(f"{'-' * width}  {'-' * 18}")
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    print(f"({args.total_mib} MiB each way, {args.streams} streams x {args.batch} blocks per call)")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
