@@ -17,8 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize
+
+try:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+except ImportError as e:  # pragma: no cover - depends on the machine
+    raise ImportError("reading a GGUF model needs the `gguf` package: pip install gguf") from e
 
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32

@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from safetensors import safe_open
@@ -20,8 +20,10 @@ from safetensors.torch import save_file
 
 from kvmesh.model.config import (ModelConfig, cache_root, load_model_config, model_identity,
                                  resolve_model_path)
-from kvmesh.model.gguf_file import GGUFFile
 from kvmesh.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:  # `gguf` is imported only when a GGUF model is loaded
+    from kvmesh.model.gguf_file import GGUFFile
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -123,6 +125,7 @@ def gguf_hf_tensors(g: GGUFFile, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 def _from_gguf(path: Path, cfg: ModelConfig, cache_dir: Path, dtype: torch.dtype,
                device: torch.device | str) -> LlamaForCausalLM:
+    from kvmesh.model.gguf_file import GGUFFile
     g = GGUFFile(path)
     tensors = gguf_hf_tensors(g, cfg)
     _write_cache(g, cfg, tensors, cache_dir)
