@@ -18,7 +18,6 @@ import openai
 import pytest
 import pytest_asyncio
 import torch
-from aiohttp.test_utils import TestServer
 
 from kvmesh.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvmesh.decode.config import DecodeConfig
@@ -28,7 +27,7 @@ from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.llm import LLM
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.gateway import sse
-from kvmesh.gateway.app import GATEWAY, build_app
+from kvmesh.gateway.app import GATEWAY, start
 from kvmesh.gateway.config import GatewayConfig
 from kvmesh.index import MemoryIndex
 from kvmesh.kvstore.client import GrpcKVStoreClient
@@ -75,14 +74,13 @@ async def stack():
     cfg = GatewayConfig(model="smollm2", prefill=(prefill.address,), decode=(decode.address, DEAD),
                         block_size=BS, max_model_len=MAX_MODEL_LEN, prefill_threshold_tokens=32,
                         request_timeout_s=120.0)
-    app = build_app(cfg, index=index, tokenizer=reference.llm_engine.tokenizer, health_checks=False)
-    server = TestServer(app, host="127.0.0.1")
-    await server.start_server()
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", max_retries=0)
-    yield dict(client=client, gw=app[GATEWAY], reference=reference, decode=decode, prefill=prefill,
-               url=f"http://127.0.0.1:{server.port}")
+    runner, port = await start(cfg, index=index, tokenizer=reference.llm_engine.tokenizer,
+                               health_checks=False)
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    yield dict(client=client, gw=runner.app[GATEWAY], reference=reference, decode=decode, prefill=prefill,
+               url=f"http://127.0.0.1:{port}")
     await client.close()
-    await server.close()
+    await runner.cleanup()
     for w in workers:
         await w.stop(grace=0.5)
     for kv in kv_clients:
@@ -172,6 +170,32 @@ async def test_repeated_long_system_prompt_hits_cache(stack):
     assert value("kvmesh:num_requests_running") == 0 and value("kvmesh:num_requests_waiting") == 0
 
 
+async def test_cache_salt_isolates_tenants(stack):
+    system = "Tenant notes. " + words(60, 4)
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Summarize."}]
+    client = stack["client"]
+    cached = []
+    for salt in ("tenant-a", "tenant-a", "tenant-b"):
+        r = await client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, temperature=0,
+                                                 extra_body={"cache_salt": salt})
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+        await asyncio.sleep(0.2)
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] == 0, cached
+
+
+async def test_chat_logprobs(stack):
+    msgs = [{"role": "user", "content": "Say hello."}]
+    r = await stack["client"].chat.completions.create(model="smollm2", messages=msgs, max_tokens=5,
+                                                      temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(c.token for c in content).startswith(r.choices[0].message.content[:1])
+    ref = stack["reference"].chat(msgs, SamplingParams(temperature=0.0, max_tokens=5, logprobs=3))[0].outputs[0]
+    assert [c.logprob for c in content] == pytest.approx([lp.logprob for lp in ref.logprobs], abs=2e-3)
+    for c in content:  # greedy: the sampled token is the top one
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-6)
+
+
 async def test_completion_echo_logprobs_scores_prompt(stack):
     tok = stack["gw"].tokenizer
     prompt = "The capital of France is Paris, and the capital of Italy is Rome"
@@ -239,3 +263,22 @@ async def test_client_disconnect_aborts_on_the_worker(stack):
         await asyncio.sleep(0.05)
     assert not engine.has_unfinished()
     assert gw.router.workers[stack["decode"].address].in_flight == 0 and gw.active == 0
+
+
+async def test_non_streamed_client_disconnect_aborts_on_the_worker(stack):
+    engine = stack["decode"].runtime.engine.engine
+    gw = stack["gw"]
+    body = {"model": "smollm2", "prompt": "Count: one two three", "max_tokens": 200, "ignore_eos": True,
+            "temperature": 0}
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.create_task(s.post(stack["url"] + "/v1/completions", json=body))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not engine.has_unfinished():
+            await asyncio.sleep(0.02)
+        assert engine.has_unfinished() and gw.active == 1
+        task.cancel()  # the client gives up before the answer
+        await asyncio.gather(task, return_exceptions=True)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (engine.has_unfinished() or gw.active):
+        await asyncio.sleep(0.05)
+    assert not engine.has_unfinished() and gw.active == 0

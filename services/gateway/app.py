@@ -145,8 +145,8 @@ def build_app(cfg: GatewayConfig, *, tokenizer: Any = None, index: Any = None,
     return app
 
 
-async def serve(cfg: GatewayConfig, *, ready: Optional[asyncio.Future] = None, **app_kwargs) -> None:
-    """Serve until cancelled. `ready` (optional) gets the bound port once listening."""
+async def start(cfg: GatewayConfig, **app_kwargs) -> tuple[web.AppRunner, int]:
+    """Build and bind the app; returns the runner (its `.app`) and the bound port. Stop: runner.cleanup()."""
     if cfg.dtype == "auto" and cfg.device == "auto" and cfg.kv_cache_dtype == "auto":
         log.warning("--kv-cache-dtype auto with --dtype auto: assuming CPU workers (fp32 KV) for block "
                     "hashes; pass --dtype or --device as the workers get it, or prefix hits go unseen")
@@ -156,11 +156,15 @@ async def serve(cfg: GatewayConfig, *, ready: Optional[asyncio.Future] = None, *
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # the real port when cfg.port is 0
+    port = runner.addresses[0][1]  # the real port when cfg.port is 0
     log.info("kvmesh gateway on http://%s:%d/v1 (model %s)", cfg.host, port, cfg.model_names[0])
+    return runner, port
+
+
+async def serve(cfg: GatewayConfig, **app_kwargs) -> None:
+    """Serve until cancelled."""
+    runner, port = await start(cfg, **app_kwargs)
     print(f"kvmesh gateway listening on http://{cfg.host}:{port}/v1", flush=True)
-    if ready is not None and not ready.done():
-        ready.set_result(port)
     try:
         await asyncio.Event().wait()
     finally:
