@@ -50,6 +50,10 @@ from kvmesh.kv.pool import KVCache  # noqa: E402
 H, KVH, D, BS = 32, 8, 128, 16
 DECODE_CASES = [(64, 4096), (16, 16384), (256, 1024), (8, 32768)]
 KV_DTYPES = ["fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
+SWEEP = [dict(block_n=64, num_warps=2), dict(block_n=64, num_warps=8), dict(block_n=64, num_stages=1),
+         dict(block_n=64, num_stages=2), dict(block_n=64, num_stages=4), dict(block_n=32),
+         dict(block_n=128), dict(block_n=128, num_warps=8), dict(block_n=64, native_cvt=True),
+         dict(splits=1, block_n=64), dict(splits=4, block_n=64), dict(splits=8, block_n=64)]
 
 
 def log(*a) -> None:
@@ -108,7 +112,7 @@ def decode_meta(batch: int, ctx: int, perm: torch.Tensor, layout: BlockLayout):
     return build_attention_metadata(seqs, layout, 1, "cuda")
 
 
-def bench_decode(batch: int, ctx: int, reps: int, read_tbs: float, rows: list, sweep: bool) -> None:
+def bench_decode(batch: int, ctx: int, reps: int, read_tbs: float, rows: list, sweep: list[str]) -> None:
     n_pages = batch * ctx // BS
     g = torch.Generator(device="cuda").manual_seed(batch * ctx)
     k_rows = torch.randn(n_pages * BS, KVH, D, device="cuda", dtype=torch.float16, generator=g)
@@ -145,12 +149,13 @@ def bench_decode(batch: int, ctx: int, reps: int, read_tbs: float, rows: list, s
             drift = ((out - ref.float()).norm() / ref.float().norm()).item()
             log(f"  {kv:9s} {batch}x{ctx}: {t:.3f} ms  {t_sdpa / t:.2f}x sdpa  (ideal {ideal:.2f}x, "
                 f"splits {splits}, rel diff vs sdpa {drift:.1e})")
-            if sweep:
-                for sp in sorted({1, 2, 4, 8, 16, splits}):
-                    for bn in (32, 64, 128):
-                        ts = time_ms(lambda: decode_attention(cache, 0, q, kn, vn, meta, scale,
-                                                              splits=sp, block_n=bn), reps)
-                        log(f"    sweep {kv} splits={sp:2d} block_n={bn:3d}: {ts:.3f} ms ({t_sdpa / ts:.2f}x)")
+            if kv in sweep:
+                for cfg in SWEEP:
+                    if cfg.get("native_cvt") and kv in ("fp16", "bf16", "int4"):
+                        continue
+                    cfg = {"splits": splits, **cfg}
+                    ts = time_ms(lambda: decode_attention(cache, 0, q, kn, vn, meta, scale, **cfg), reps)
+                    log(f"    sweep {kv} {cfg}: {ts:.3f} ms ({t_sdpa / ts:.2f}x)")
             del cache
         except Exception:  # one failed dtype costs one row
             log(f"  {kv} {batch}x{ctx} FAILED:\n{traceback.format_exc()}")
@@ -247,6 +252,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one decode case, fewer repetitions")
     ap.add_argument("--sweep", action="store_true", help="also time splits x block_n per decode case")
+    ap.add_argument("--cases", type=str, default=None, help="decode case indices, e.g. 0,3 (default all)")
+    ap.add_argument("--sweep-dtypes", type=str, default="fp16,fp8_e4m3,int8,int4", help="dtypes for --sweep")
+    ap.add_argument("--skip", type=str, default="", help="comma list of parts to skip: decode,write,prefill")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement")
     ap.add_argument("--out", type=Path, default=None, help="also write the markdown table here")
     args = ap.parse_args()
@@ -259,17 +267,24 @@ def main() -> None:
     read_tbs, copy_tbs = read_bandwidth(reps)
     log(f"read {read_tbs:.2f} TB/s, copy {copy_tbs:.2f} TB/s")
     rows: list = []
-    for batch, ctx in DECODE_CASES[:1] if args.quick else DECODE_CASES:
+    skip = set(args.skip.split(","))
+    cases = DECODE_CASES[:1] if args.quick else DECODE_CASES
+    if args.cases:
+        cases = [DECODE_CASES[int(i)] for i in args.cases.split(",")]
+    sweep = args.sweep_dtypes.split(",") if args.sweep else []
+    for batch, ctx in [] if "decode" in skip else cases:
         log(f"decode {batch}x{ctx} ({time.time() - t0:.0f} s)")
         try:
-            bench_decode(batch, ctx, reps, read_tbs, rows, args.sweep)
+            bench_decode(batch, ctx, reps, read_tbs, rows, sweep)
         except Exception:
             log(f"decode {batch}x{ctx} FAILED:\n{traceback.format_exc()}")
         torch.cuda.empty_cache()
-    log(f"cache write ({time.time() - t0:.0f} s)")
-    bench_write(reps, copy_tbs, rows)
-    log(f"prefill ({time.time() - t0:.0f} s)")
-    bench_prefill(reps, rows, ["fp16", "fp8_e4m3", "int8", "int4"] if args.quick else KV_DTYPES)
+    if "write" not in skip:
+        log(f"cache write ({time.time() - t0:.0f} s)")
+        bench_write(reps, copy_tbs, rows)
+    if "prefill" not in skip:
+        log(f"prefill ({time.time() - t0:.0f} s)")
+        bench_prefill(reps, rows, ["fp16", "fp8_e4m3", "int8", "int4"] if args.quick else KV_DTYPES)
     md = table(rows, read_tbs, copy_tbs)
     log("\n" + md)
     log(f"\ntotal {time.time() - t0:.0f} s")

@@ -35,9 +35,11 @@ def _num_sms(device: torch.device) -> int:
 
 def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      meta: AttentionMetadata, scale: float, *, splits: int | None = None,
-                     block_n: int | None = None) -> torch.Tensor:
+                     block_n: int | None = None, num_warps: int = 4, num_stages: int = 3,
+                     native_cvt: bool = False) -> torch.Tensor:
     """out [B, H, D] for q [B, H, D] (one new token per sequence, k/v [B, KVH, D] its new K/V).
-    `splits`/`block_n` override the shape-based choice (benchmarks, tests)."""
+    `splits`/`block_n`/`num_warps`/`num_stages` override the defaults (benchmarks, tests);
+    `native_cvt` converts fp8/int8 with the hardware instructions instead of bit operations."""
     if meta.max_query_len != 1 or q.shape[0] != meta.num_seqs:
         raise ValueError(f"decode needs one new token per sequence: max_query_len={meta.max_query_len}, "
                          f"T={q.shape[0]}, B={meta.num_seqs}")
@@ -47,4 +49,5 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
     if block_n is None:
         block_n = max(64, L.block_size)
     return launch_paged_attention(cache, layer, q, k, v, meta, scale, block_m=16, block_n=block_n,
-                                  splits=splits, num_warps=4, num_stages=3, max_query_len=1)
+                                  splits=splits, num_warps=num_warps, num_stages=num_stages,
+                                  max_query_len=1, native_cvt=native_cvt)

@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from kvmesh.kernels.backend import AttentionMetadata
-from kvmesh.kernels.cache_write import (FMT_BF16, FMT_CODES, FMT_E4M3, FMT_E5M2, FMT_FP32, FMT_INT8,
-                                        to_bf16_rne)
+from kvmesh.kernels.cache_write import (FMT_BF16, FMT_CODES, FMT_E4M3, FMT_E5M2, FMT_FP16, FMT_FP32,
+                                        FMT_INT8, to_bf16_rne)
 from kvmesh.kv.pool import KVCache
 
 LOG2E = math.log2(math.e)
@@ -37,42 +37,48 @@ LOG2E = math.log2(math.e)
 @triton.jit
 def _load_page_tile(pool_ptr, base, tok, n_mask, head, DATA_OFF: tl.constexpr,
                     SCALE_OFF: tl.constexpr, IS_KEY: tl.constexpr, FMT: tl.constexpr,
-                    BS: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr):
-    """Tokens (page byte base [N] int64, token in page [N]) of one KV head -> (tile [N, D] in DOT,
+                    BS: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr):
+    """Tokens (page base [N] int64 in `_unit`s, token in page [N]) of one KV head -> (tile [N, D] in DOT,
     per-token scale [N] fp32, or 1.0 where the format has none / folds it into the tile)."""
     d = tl.arange(0, D)
     row = (head * BS + tok).to(tl.int64)  # [N] row of [KVH, BS] inside the region
     m2 = n_mask[:, None]
     one = tl.full(tok.shape, 1.0, tl.float32)
-    if FMT == 0:
-        p = pool_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
-        x = tl.load(p + ((base + DATA_OFF) // 4 + row * D)[:, None] + d[None, :], mask=m2, other=0.0)
-        return x.to(DOT), one
-    elif FMT == 1:
-        p = pool_ptr.to(tl.pointer_type(tl.float16), bitcast=True)
-        x = tl.load(p + ((base + DATA_OFF) // 2 + row * D)[:, None] + d[None, :], mask=m2, other=0.0)
-        return x.to(DOT), one
-    elif FMT == 2:
-        p = pool_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
-        x = tl.load(p + ((base + DATA_OFF) // 2 + row * D)[:, None] + d[None, :], mask=m2, other=0.0)
+    if FMT <= 2:  # base and offsets count elements here (see `_unit`): no division, 16-byte loads
+        if FMT == 0:
+            p = pool_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
+        elif FMT == 1:
+            p = pool_ptr.to(tl.pointer_type(tl.float16), bitcast=True)
+        else:
+            p = pool_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
+        x = tl.load(p + (base + DATA_OFF + row * D)[:, None] + d[None, :], mask=m2, other=0.0)
         return x.to(DOT), one
     elif FMT <= 4:
         b = tl.load(pool_ptr + (base + DATA_OFF + row * D)[:, None] + d[None, :], mask=m2, other=0)
-        b = b.to(tl.uint16)
-        if FMT == 3:
-            bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
-            fix = 256.0  # the exponent-bias gap between e4m3 (7) and fp16 (15)
-        else:
-            bits = b << 8
+        if NATIVE:  # the hardware conversion (sm_89+), for comparison with the bit operations
+            if FMT == 3:
+                x = b.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            else:
+                x = b.to(tl.float8e5, bitcast=True).to(tl.float16)
             fix = 1.0
-        x = bits.to(tl.float16, bitcast=True)
+        elif FMT == 3:
+            b = b.to(tl.uint16)
+            bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+            x = bits.to(tl.float16, bitcast=True)
+            fix = 256.0  # the exponent-bias gap between e4m3 (7) and fp16 (15)
+            x = bits.to(tl.float16, bitcast=True)
+        else:
+            x = (b.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+            fix = 1.0
         ps = pool_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
         s = tl.load(ps + (base + SCALE_OFF) // 4 + head, mask=n_mask, other=0.0) * fix  # [N]
         return x.to(DOT), s
     elif FMT == 5:
         b = tl.load(pool_ptr + (base + DATA_OFF + row * D)[:, None] + d[None, :], mask=m2, other=0)
-        bits = (b.to(tl.uint16) ^ 0x80) | 0x6400
-        x = bits.to(tl.float16, bitcast=True) - 1152.0
+        if NATIVE:
+            x = b.to(tl.int8, bitcast=True).to(tl.float16)
+        else:
+            x = ((b.to(tl.uint16) ^ 0x80) | 0x6400).to(tl.float16, bitcast=True) - 1152.0
         ps = pool_ptr.to(tl.pointer_type(tl.float16), bitcast=True)
         s = tl.load(ps + (base + SCALE_OFF) // 2 + row, mask=n_mask, other=0.0).to(tl.float32)
         return x.to(DOT), s
@@ -131,7 +137,12 @@ def _softmax_step(acc, m_i, l_i, q, kt, ks, vt, vs, valid, qk_scale, HAS_SCALE: 
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if HAS_SCALE:
         p = p * vs[None, :]
-    acc = acc * alpha[:, None] + _dot(p.to(DOT), vt, DOT)
+    acc = acc * alpha[:, None]
+    if DOT == tl.bfloat16:  # p as hi + lo bf16 parts: bf16's 8-bit mantissa alone costs ~1e-3
+        p_hi = p.to(tl.bfloat16)
+        acc += _dot(p_hi, vt, DOT) + _dot((p - p_hi.to(tl.float32)).to(tl.bfloat16), vt, DOT)
+    else:
+        acc += _dot(p.to(DOT), vt, DOT)
     return acc, m_new, l_i
 
 
@@ -151,15 +162,15 @@ def paged_attention_kernel(
     residual_slots_ptr,  # int32 [B]
     stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh,
     stride_bt,  # elements between block-table rows
-    page_stride,  # bytes between pages
-    layer_off,  # layer * layer_bytes
+    page_stride,  # units (see `_unit`) between pages
+    layer_off,  # layer * layer_bytes, in units
     slot_stride,  # residual elements between slots
     res_layer_off,  # layer * residual elements per layer inside a slot
     qk_scale,  # softmax scale * log2(e)
     V_OFF: tl.constexpr, KS_OFF: tl.constexpr, VS_OFF: tl.constexpr,
     FMT: tl.constexpr, HAS_SCALE: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
     BS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, TOK_PER_TILE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -193,10 +204,11 @@ def paged_attention_kernel(
             n = n0 + tl.arange(0, BLOCK_N)
             nm = n < n_end
             page = tl.load(bt_row + n // BS, mask=nm, other=0).to(tl.int64)
-            base = page * page_stride + layer_off  # [N] byte offset of the page's layer
+            base = page * page_stride + layer_off  # [N] offset of the page's layer (in units)
             tok = n % BS
-            kt, ks = _load_page_tile(pool_ptr, base, tok, nm, kvh, 0, KS_OFF, True, FMT, BS, D, DOT)
-            vt, vs = _load_page_tile(pool_ptr, base, tok, nm, kvh, V_OFF, VS_OFF, False, FMT, BS, D, DOT)
+            kt, ks = _load_page_tile(pool_ptr, base, tok, nm, kvh, 0, KS_OFF, True, FMT, BS, D, DOT, NATIVE)
+            vt, vs = _load_page_tile(pool_ptr, base, tok, nm, kvh, V_OFF, VS_OFF, False, FMT, BS, D, DOT,
+                                     NATIVE)
             acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kt, ks, vt, vs, nm[None, :], qk_scale,
                                           HAS_SCALE, DOT)
 
@@ -269,6 +281,11 @@ def _dot_dtype(fmt: int, q: torch.Tensor) -> tl.dtype:
     return tl.bfloat16 if fmt == FMT_BF16 else tl.float16
 
 
+def _unit(fmt: int) -> int:
+    """Bytes per offset unit: full-precision pages are addressed in elements, the rest in bytes."""
+    return {FMT_FP32: 4, FMT_FP16: 2, FMT_BF16: 2}.get(fmt, 1)
+
+
 def _check(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            meta: AttentionMetadata) -> None:
     L = cache.layout
@@ -297,7 +314,7 @@ def _check(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torc
 def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor,
                            v: torch.Tensor, meta: AttentionMetadata, scale: float, *,
                            block_m: int, block_n: int, splits: int, num_warps: int,
-                           num_stages: int, max_query_len: int) -> torch.Tensor:
+                           num_stages: int, max_query_len: int, native_cvt: bool = False) -> torch.Tensor:
     """Runs the kernel (and the split reduction) over every sequence; returns out [T, H, D]."""
     _check(cache, layer, q, k, v, meta)
     L = cache.layout
@@ -305,6 +322,7 @@ def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch
     G = H // L.kv_heads
     B = meta.num_seqs
     fmt = FMT_CODES[L.kv_dtype]
+    unit = _unit(fmt)
     block_m = max(block_m, 16, triton.next_power_of_2(G))  # rows = tokens x G heads; tl.dot needs 16
     tok_per_tile = block_m // G
     n_tiles = triton.cdiv(max_query_len, tok_per_tile)
@@ -322,13 +340,13 @@ def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch
         block_tables_ptr=meta.block_tables, residual_slots_ptr=meta.residual_slots,
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_vt=v.stride(0),
         stride_ot=out.stride(0), stride_oh=out.stride(1), stride_bt=meta.block_tables.stride(0),
-        page_stride=L.block_bytes, layer_off=layer * L.layer_bytes,
+        page_stride=L.block_bytes // unit, layer_off=layer * L.layer_bytes // unit,
         slot_stride=res.stride(0), res_layer_off=layer * res.stride(1),
         qk_scale=scale * LOG2E,
-        V_OFF=L.v_data_offset, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset,
+        V_OFF=L.v_data_offset // unit, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset,
         FMT=fmt, HAS_SCALE=fmt in (FMT_E4M3, FMT_E5M2, FMT_INT8), KVH=L.kv_heads, G=G,
         BS=L.block_size, D=D, BLOCK_M=block_m, TOK_PER_TILE=tok_per_tile, BLOCK_N=block_n,
-        SPLITS=splits, DOT=_dot_dtype(fmt, q), num_warps=num_warps, num_stages=num_stages,
+        SPLITS=splits, DOT=_dot_dtype(fmt, q), NATIVE=native_cvt, num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         reduce_splits_kernel[(T, H)](

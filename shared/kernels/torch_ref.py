@@ -14,7 +14,7 @@ import torch
 
 from kvmesh.kernels.backend import AttentionMetadata
 from kvmesh.kv.pool import KVCache
-from kvmesh.kv.quant import dequantize_layer, quantize_blocks, store_blocks
+from kvmesh.kv.quant import dequantize, quantize_blocks, store_blocks
 
 QUERY_CHUNK = 512  # query rows per score matrix for long prefills: [chunk, ctx] per head
 
@@ -111,7 +111,8 @@ class TorchBackend:
         page_k = page_v = None
         if nfull:
             table = meta.block_tables[idx, :nfull].long()  # [G, nfull]
-            pk, pv = dequantize_layer(cache.layer_view(layer), table.clamp(min=0).flatten(), L.kv_dtype)
+            pages = cache.gather_layer(layer, table.clamp(min=0).flatten())  # one byte gather
+            pk, pv = dequantize(pages.k, pages.v, pages.k_scale, pages.v_scale, L.kv_dtype)
             page_k = pk.view(G, nfull, KVH, bs, D)
             page_v = pv.view(G, nfull, KVH, bs, D)
             page_pos = torch.arange(nfull * bs, device=dev)[None, :] < (full * bs)[:, None]  # [G, nfull*bs]
