@@ -144,3 +144,27 @@ def test_bad_dtype_and_shapes_name_the_problem():
         quantize_blocks(k, v, "fp8")
     with pytest.raises(ValueError, match=r"\[n, bs, KVH, D\]"):
         quantize_blocks(k, v[:, :8], "int8")
+
+
+@pytest.mark.parametrize("name,dtype", [("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
+def test_fp8_bit_decoding_equals_torch_cast_for_every_code(name, dtype):
+    from kvmesh.kv.quant import _fp8_bits_to_float
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype)
+    want = codes.float()
+    got = _fp8_bits_to_float(codes, name)
+    finite = torch.isfinite(want)
+    assert torch.equal(got[finite], want[finite])
+    assert int(finite.sum()) >= 248  # only NaN/inf codes skipped
+
+
+def test_gathered_layer_equals_strided_view():
+    k, v = fresh()
+    layout = BlockLayout(2, H, D, BS, "int4")
+    cache = KVCache(layout, 7, 1, torch.float32)
+    cache.pool.random_(0, 256)
+    ids = torch.tensor([6, 2, 2, 0])
+    store_blocks(cache.layer_view(1), ids[:1], quantize_blocks(k[:1], v[:1], "int4"))
+    strided, gathered = cache.layer_view(1), cache.gather_layer(1, ids)
+    for a, b in ((strided.k, gathered.k), (strided.v, gathered.v),
+                 (strided.k_scale, gathered.k_scale), (strided.v_scale, gathered.v_scale)):
+        assert torch.equal(a[ids], b)

@@ -59,28 +59,14 @@ class KVCache:
     def layer_view(self, layer: int) -> LayerView:
         L = self.layout
         base = self.pool.view(self.num_blocks, L.num_layers, L.layer_bytes)[:, layer]  # [N, layer_bytes]
-        dt = STORAGE_DTYPES[L.kv_dtype]
-        cols = L.head_dim // 2 if L.kv_dtype == "int4" else L.head_dim
-        shape = (self.num_blocks, L.kv_heads, L.block_size, cols)
+        return view_layer_bytes(L, base)
 
-        def region(off: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-            return base[:, off:off + nbytes].view(dtype)
-
-        k = region(L.k_data_offset, L.data_bytes, dt).view(shape)
-        v = region(L.v_data_offset, L.data_bytes, dt).view(shape)
-        if not L.fmt.quantized:
-            return LayerView(k, v, None, None)
-        sd = SCALE_DTYPES[L.kv_dtype]
-        ks = region(L.k_scale_offset, L.k_scale_bytes, sd)
-        vs = region(L.v_scale_offset, L.v_scale_bytes, sd)
-        H, bs, D = L.kv_heads, L.block_size, L.head_dim
-        if L.kv_dtype == "int8":
-            ks, vs = ks.view(-1, H, bs), vs.view(-1, H, bs)
-        elif L.kv_dtype == "int4":
-            ks, vs = ks.view(-1, H, 2, D), vs.view(-1, H, bs, 2, D // 32)
-        else:
-            ks, vs = ks.view(-1, H), vs.view(-1, H)
-        return LayerView(k, v, ks, vs)
+    def gather_layer(self, layer: int, block_ids: torch.Tensor) -> LayerView:
+        """Typed views of a *copy* of one layer of pages `block_ids` (int64 [n]): one byte gather
+        for data and scales together (faster than gathering each typed region)."""
+        L = self.layout
+        base = self.pool.view(self.num_blocks, L.num_layers, L.layer_bytes)[:, layer]  # [N, layer_bytes]
+        return view_layer_bytes(L, base.index_select(0, block_ids))
 
     def residual_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual K and V of one layer as row tensors [num_slots * block_size, kv_heads, head_dim]
@@ -98,3 +84,31 @@ class KVCache:
             raise ValueError(f"page is {len(data)} bytes, layout wants {self.layout.block_bytes}")
         src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         self.pool[block_id].copy_(src)
+
+
+def view_layer_bytes(L: BlockLayout, base: torch.Tensor) -> LayerView:
+    """Typed views (no copies) of one layer's bytes of n pages, base: uint8 [n, layer_bytes]
+    (rows may be strided, as in a slice of the pool)."""
+    n = base.shape[0]
+    dt = STORAGE_DTYPES[L.kv_dtype]
+    cols = L.head_dim // 2 if L.kv_dtype == "int4" else L.head_dim
+    shape = (n, L.kv_heads, L.block_size, cols)
+
+    def region(off: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        return base[:, off:off + nbytes].view(dtype)
+
+    k = region(L.k_data_offset, L.data_bytes, dt).view(shape)
+    v = region(L.v_data_offset, L.data_bytes, dt).view(shape)
+    if not L.fmt.quantized:
+        return LayerView(k, v, None, None)
+    sd = SCALE_DTYPES[L.kv_dtype]
+    ks = region(L.k_scale_offset, L.k_scale_bytes, sd)
+    vs = region(L.v_scale_offset, L.v_scale_bytes, sd)
+    H, bs, D = L.kv_heads, L.block_size, L.head_dim
+    if L.kv_dtype == "int8":
+        ks, vs = ks.view(-1, H, bs), vs.view(-1, H, bs)
+    elif L.kv_dtype == "int4":
+        ks, vs = ks.view(-1, H, 2, D), vs.view(-1, H, bs, 2, D // 32)
+    else:
+        ks, vs = ks.view(-1, H), vs.view(-1, H)
+    return LayerView(k, v, ks, vs)

@@ -91,6 +91,17 @@ def _quantize_one(x: torch.Tensor, name: str, is_key: bool) -> tuple[torch.Tenso
     raise ValueError(f"unsupported kv dtype {name!r}")
 
 
+def _fp8_bits_to_float(q: torch.Tensor, name: str) -> torch.Tensor:
+    """fp8 -> float32 by moving the bits into an fp16 (exact; the CPU's own fp8 cast is scalar and
+    slow). e5m2 is the top byte of an fp16. e4m3's sign/exponent/mantissa shifted into fp16's is the
+    value / 256 for normals and subnormals alike (bias 7 vs 15); NaN never occurs (we clamp)."""
+    b = q.view(torch.uint8).to(torch.int16)
+    if name == "fp8_e5m2":
+        return (b << 8).view(torch.float16).float()
+    bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return bits.view(torch.float16).float().mul_(256.0)
+
+
 def _round_scale_signed(m: torch.Tensor) -> torch.Tensor:
     """The int4 offset (a group minimum) rounded to fp16; it may be negative or zero."""
     return m.clamp(-65504.0, 65504.0).to(torch.float16).float()
@@ -127,8 +138,8 @@ def dequantize(kq: torch.Tensor, vq: torch.Tensor, ks: torch.Tensor | None, vs: 
         return kq.to(dtype), vq.to(dtype)
     # in-place ops after the one cast: dequantization is memory bound on the CPU
     if name in FP8_MAX:
-        k = kq.float().mul_(ks.float()[:, :, None, None])
-        v = vq.float().mul_(vs.float()[:, :, None, None])
+        k = _fp8_bits_to_float(kq, name).mul_(ks.float()[:, :, None, None])
+        v = _fp8_bits_to_float(vq, name).mul_(vs.float()[:, :, None, None])
     elif name == "int8":
         k = kq.float().mul_(ks.float()[..., None])
         v = vq.float().mul_(vs.float()[..., None])
