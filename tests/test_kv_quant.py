@@ -167,4 +167,4 @@ def test_gathered_layer_equals_strided_view():
     strided, gathered = cache.layer_view(1), cache.gather_layer(1, ids)
     for a, b in ((strided.k, gathered.k), (strided.v, gathered.v),
                  (strided.k_scale, gathered.k_scale), (strided.v_scale, gathered.v_scale)):
-        assert torch.equal(a[ids], b)
+        assert torch.equal(a[ids].view(torch.uint8), b.contiguous().view(torch.uint8))  # bits: random bytes hold NaNs
