@@ -42,6 +42,12 @@ async def wait_serving(address: str, timeout: float = 30.0) -> None:
             await asyncio.sleep(0.1)
 
 
+def proc_cpu_seconds(pid: int) -> float:
+    """user + system CPU seconds of a process (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def bench_transfer(total_mib: int, streams: int, batch: int) -> dict[str, float]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvmesh.kvstore", "--port", str(port), "--device", "cpu",
@@ -59,28 +65,31 @@ async def bench_transfer(total_mib: int, streams: int, batch: int) -> dict[str, 
         batches = [blocks[i:i + batch] for i in range(0, len(blocks), batch)]
         await client.put(blocks[:2])  # warm up the channel
 
-        async def run(fn, work):
+        cpu = {}
+
+        async def run(name, fn, work):
             queue = list(work)
 
             async def worker():
                 while queue:
                     await fn(queue.pop())
-            t0 = time.perf_counter()
+            t0, c0, s0 = time.perf_counter(), time.process_time(), proc_cpu_seconds(proc.pid)
             await asyncio.gather(*(worker() for _ in range(streams)))
+            cpu[name] = ((time.process_time() - c0) * 1e3 / total_mib, (proc_cpu_seconds(proc.pid) - s0) * 1e3 / total_mib)
             return time.perf_counter() - t0
 
-        put_s = await run(client.put, batches)
+        put_s = await run("put", client.put, batches)
         got_bytes = 0
 
         async def get(bs):
             nonlocal got_bytes
             out = await client.get([b.hash for b in bs])
             got_bytes += sum(len(o.data) for o in out if o is not None)
-        get_s = await run(get, batches)
+        get_s = await run("get", get, batches)
         await client.close()
         if got_bytes != total_mib * MiB:
             raise RuntimeError(f"got {got_bytes} bytes back, expected {total_mib * MiB}")
-        return {"put": total_mib * MiB / put_s / 1e9, "get": total_mib * MiB / get_s / 1e9}
+        return {"put": total_mib * MiB / put_s / 1e9, "get": total_mib * MiB / get_s / 1e9, "cpu": cpu}
     finally:
         proc.terminate()
         proc.wait(10)
@@ -113,8 +122,10 @@ async def main() -> None:
 
     rows = []
     t = await bench_transfer(args.total_mib, args.streams, args.batch)
-    rows.append(("kvstore put, 1 MiB blocks, loopback gRPC", f"{t['put']:.2f} GB/s"))
-    rows.append(("kvstore get, 1 MiB blocks, loopback gRPC", f"{t['get']:.2f} GB/s"))
+    for op in ("put", "get"):
+        client_ms, server_ms = t["cpu"][op]
+        rows.append((f"kvstore {op}, 1 MiB blocks, loopback gRPC", f"{t[op]:.2f} GB/s"))
+        rows.append(("  CPU ms per MiB: client | kvstore process", f"{client_ms:.2f} | {server_ms:.2f}"))
     mem = MemoryIndex()
     rows.append(("index lookup, 256 hashes, MemoryIndex", f"{await bench_index(mem, args.lookups):,.0f} lookups/s"))
     with RedisServer() as server:
@@ -127,7 +138,8 @@ async def main() -> None:
     print(f"{'-' * width}  {'-' * 18}")
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
-    print(f"({args.total_mib} MiB each way, {args.streams} streams x {args.batch} blocks per call)")
+    print(f"({args.total_mib} MiB each way, {args.streams} streams x {args.batch} blocks per call; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
 
 
 if __name__ == "__main__":

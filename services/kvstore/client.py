@@ -15,7 +15,7 @@ import grpc
 
 from kvmesh.kvstore import checksum
 from kvmesh.kvstore.block import StoredBlock
-from kvmesh.kvstore.chunks import GRPC_OPTIONS, assemble, block_chunks
+from kvmesh.kvstore.chunks import GRPC_OPTIONS, assemble, block_chunks, decode_chunk
 from kvmesh.kvstore.malloc import tune_malloc
 from kvmesh.kvstore.rendezvous import node_for
 from kvmesh.kvstore.store import BlockStore, PutResult
@@ -89,6 +89,17 @@ class LocalKVStoreClient:
         pass
 
 
+class _Stub(pb_grpc.KVStoreStub):
+    """The generated stub, with Put/Get carrying pre-encoded / lazily decoded BlockChunks (chunks.py)."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        super().__init__(channel)
+        self.Put = channel.stream_unary("/kvmesh.v1.KVStore/Put", request_serializer=None,
+                                        response_deserializer=pb.PutReply.FromString)
+        self.Get = channel.unary_stream("/kvmesh.v1.KVStore/Get", request_serializer=pb.GetRequest.SerializeToString,
+                                        response_deserializer=decode_chunk)
+
+
 class GrpcKVStoreClient:
     def __init__(self, addresses: list[str], *, timeout: float = 30.0, retry_after: float = 5.0,
                  chunk_bytes: int = CHUNK_BYTES) -> None:
@@ -100,7 +111,7 @@ class GrpcKVStoreClient:
         self.retry_after = retry_after
         self.chunk_bytes = chunk_bytes
         self._channels = {a: grpc.aio.insecure_channel(a, options=GRPC_OPTIONS) for a in self.addresses}
-        self._stubs = {a: pb_grpc.KVStoreStub(c) for a, c in self._channels.items()}
+        self._stubs = {a: _Stub(c) for a, c in self._channels.items()}
         self._dead_until: dict[str, float] = {}
 
     # -- liveness ------------------------------------------------------------------------------
@@ -167,7 +178,7 @@ class GrpcKVStoreClient:
                 if data is None:
                     out.append(None)
                     continue
-                data = bytes(data) if isinstance(data, bytearray) else data
+                data = bytes(data)  # a view into the message (or the assembly buffer): own it
                 block = StoredBlock(header.hash, list(header.token_ids), data, header.layout, crc32=header.crc32)
                 if checksum.crc32(data) != header.crc32:
                     raise BlockCorrupted(f"block {header.hash.hex()[:16]} from kvstore {node}: crc32 mismatch")

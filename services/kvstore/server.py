@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvmesh.index import PrefixIndex, make_index
-from kvmesh.kvstore.chunks import GRPC_OPTIONS, StreamError, assemble, block_chunks, missing_chunk
+from kvmesh.kvstore.chunks import GRPC_OPTIONS, StreamError, assemble, block_chunks, decode_chunk, missing_chunk
 from kvmesh.kvstore.config import KVStoreConfig
 from kvmesh.kvstore.malloc import tune_malloc
 from kvmesh.kvstore.publisher import IndexPublisher
@@ -69,6 +69,23 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         s = self.store.stats()
         return pb.StatsReply(**dataclasses.asdict(s))
 
+    def handler(self) -> grpc.GenericRpcHandler:
+        """Like the generated add_KVStoreServicer_to_server, but BlockChunks skip protobuf objects:
+        Put receives (header, memoryview) pairs and Get sends pre-encoded bytes (see chunks.py)."""
+        reply = lambda msg: msg.SerializeToString()  # noqa: E731
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+            "Put": grpc.stream_unary_rpc_method_handler(self.Put, request_deserializer=decode_chunk,
+                                                        response_serializer=reply),
+            "Get": grpc.unary_stream_rpc_method_handler(self.Get, request_deserializer=pb.GetRequest.FromString,
+                                                        response_serializer=None),
+            "Contains": grpc.unary_unary_rpc_method_handler(
+                self.Contains, request_deserializer=pb.ContainsRequest.FromString, response_serializer=reply),
+            "Release": grpc.unary_unary_rpc_method_handler(
+                self.Release, request_deserializer=pb.ReleaseRequest.FromString, response_serializer=reply),
+            "Stats": grpc.unary_unary_rpc_method_handler(
+                self.Stats, request_deserializer=pb.StatsRequest.FromString, response_serializer=reply),
+        })
+
 
 class KVStoreServer:
     """One kvstore node: gRPC server + store + index publisher. Dependencies may be passed in."""
@@ -92,7 +109,7 @@ class KVStoreServer:
     async def start(self) -> int:
         tune_malloc()
         server = grpc.aio.server(options=GRPC_OPTIONS + [("grpc.so_reuseport", 0)])
-        pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self.store, self.cfg.chunk_bytes), server)
+        server.add_generic_rpc_handlers((KVStoreServicer(self.store, self.cfg.chunk_bytes).handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         self.port = server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
         if self.port == 0:

@@ -38,6 +38,7 @@ class Slab:
         else:
             self._gpu = None
             self._host = np.empty((num_slots, slot_bytes), dtype=np.uint8)  # [S, B]
+            self._host.fill(0)  # touch every page now, not on the first put into each slot
         self._free = list(range(num_slots - 1, -1, -1))  # stack; pops slot 0 first
 
     @property
