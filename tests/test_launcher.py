@@ -15,6 +15,8 @@ import pytest
 
 from kvmesh.launcher import Stack, StackConfig, StackError
 
+from test_telemetry import otlp_receiver  # noqa: F401  (fixture: a real OTLP TraceService)
+
 STARTUP_S = 400  # two workers load SmolLM2 on a shared 2-core machine
 
 
@@ -134,15 +136,18 @@ def test_dead_child_stops_the_rest_with_a_clear_message():
 
 
 @pytest.mark.timeout(STARTUP_S + 200)
-def test_stack_in_memory_index_is_shared_across_processes():
+def test_stack_in_memory_index_is_shared_across_processes(otlp_receiver):  # noqa: F811
     """Default `kvmesh up` index: one MemoryIndex process. The gateway's lookup (its process) must see
-    blocks a decode worker (another process) published: the router predicts cached tokens."""
+    blocks a decode worker (another process) published: the router predicts cached tokens.
+    With --otlp-endpoint, the workers' spans reach a real OTLP receiver under their role's name."""
     import io
 
     import openai
 
+    receiver, endpoint = otlp_receiver
     log = io.StringIO()
     cfg = StackConfig(port=0, num_prefill=0, startup_timeout_s=STARTUP_S, kvstore_capacity_bytes=64 << 20,
+                      otlp_endpoint=endpoint,
                       engine_flags=("--max-num-seqs", "4", "--kv-cache-memory", "64MiB"))
     with Stack(cfg, log=log) as stack:
         assert stack.index_url.startswith("http://127.0.0.1:")
@@ -161,3 +166,5 @@ def test_stack_in_memory_index_is_shared_across_processes():
     codes = {c.name: c.returncode() for c in stack.children}
     assert codes == {"index": 0, "kvstore-0": 0, "decode-0": 0, "gateway": 0}, log.getvalue()[-3000:]
     assert "Traceback" not in log.getvalue(), log.getvalue()[-3000:]
+    services = {svc for svc, _span in receiver.spans}
+    assert "kvmesh-decode" in services, services  # flushed by each role's tracer shutdown on SIGTERM
