@@ -1,9 +1,11 @@
-"""Gateway routing decisions per second for 4,096-token prompts, MemoryIndex against RedisIndex.
+"""Gateway routing decisions per second for 4,096-token prompts: MemoryIndex, RedisIndex, RemoteIndex.
 
 One decision = what the gateway does per request before it calls a worker: chained block hashes of
 the prompt (256 blocks of 16), ONE index lookup for every block, and the router's cost choice.
 Half of the prompts are cached (their leading blocks held by a kvstore node and a decode worker), so
-lookups return real holder sets. Redis is a real redis-server started here on a free port.
+lookups return real holder sets. Redis is a real redis-server started here on a free port; "remote"
+is `kvmesh index` (one MemoryIndex served over HTTP, what `kvmesh up` uses without --redis-url) in
+its own process.
 
     .venv/bin/python benchmarks/router.py [--prompts 64] [--seconds 3] [--concurrency 1 16]
 """
@@ -11,19 +13,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
+import subprocess
 import sys
 import time
+import urllib.request
 
 import uvloop
 
 from kvmesh.gateway.router import Router
 from kvmesh.hashing import HashContext, block_hashes
 from kvmesh.index import MemoryIndex, RedisIndex
+from kvmesh.remote_index import RemoteIndex
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from redis_server import RedisServer  # noqa: E402  (the tests' real redis-server launcher)
+from redis_server import RedisServer, free_port  # noqa: E402  (the tests' real redis-server launcher)
 
 BLOCK = 16
 PREFILL = ["10.0.0.1:50071", "10.0.0.2:50071"]
@@ -83,12 +89,36 @@ async def measure(index, prompts: list[list[int]], ctx: HashContext, seconds: fl
             "route_us": parts[2] / count * 1e6, "n": count}
 
 
+@contextlib.contextmanager
+def index_process():
+    """`kvmesh index` on a free port; yields its URL."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvmesh", "index", "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1).read()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("kvmesh index did not start") from None
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 async def main_async(args) -> None:
     ctx = HashContext("smollm2-bench", "fp8_e4m3", BLOCK)
     prompts = make_prompts(args.prompts, args.tokens, seed=1)
     rows = []
-    with RedisServer() as redis:
-        for name, make in (("memory", MemoryIndex), ("redis", lambda: RedisIndex(redis.url, namespace="bench"))):
+    with RedisServer() as redis, index_process() as remote_url:
+        for name, make in (("memory", MemoryIndex), ("redis", lambda: RedisIndex(redis.url, namespace="bench")),
+                           ("remote", lambda: RemoteIndex(remote_url))):
             index = make()
             await populate(index, prompts, ctx, random.Random(2))
             for c in args.concurrency:

@@ -83,6 +83,11 @@ async def test_models_and_health(client):
     assert [m["id"] for m in body["data"]] == ["smollm2"] and body["data"][0]["max_model_len"] == 64
     r = await client.get("/health")
     assert r.status == 200 and (await r.json())["workers"][DEAD[0]]["role"] == "decode"
+    assert (await (await client.get("/v1/models/smollm2")).json())["id"] == "smollm2"
+    r = await client.get("/v1/models/other")
+    assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+    assert (await client.get("/ping")).status == 200
+    assert (await (await client.get("/version")).json())["version"]
 
 
 async def test_tokenize_detokenize_roundtrip(client, model_facts):

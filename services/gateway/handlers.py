@@ -263,11 +263,26 @@ async def completions(request: web.Request) -> web.StreamResponse:
                            want_logprobs=req.common.sampling.logprobs is not None, echo=req.echo)
 
 
+def _model_card(gw: Gateway, name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "kvmesh", "root": gw.cfg.model,
+            "parent": None, "max_model_len": gw.max_model_len}
+
+
 async def models(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    data = [{"id": name, "object": "model", "created": 0, "owned_by": "kvmesh", "root": gw.cfg.model,
-             "parent": None, "max_model_len": gw.max_model_len} for name in gw.cfg.model_names]
-    return web.json_response({"object": "list", "data": data})
+    return web.json_response({"object": "list", "data": [_model_card(gw, n) for n in gw.cfg.model_names]})
+
+
+async def model(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    name = request.match_info["name"]
+    gw.check_model(name)
+    return web.json_response(_model_card(gw, name))
+
+
+async def version(request: web.Request) -> web.Response:
+    from kvmesh import __version__
+    return web.json_response({"version": __version__})
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -309,14 +324,13 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
-async def not_found(request: web.Request) -> web.Response:
-    return error_response(ApiError(404, f"no route {request.method} {request.path}", code="not_found"))
-
-
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{name}", model)
+    app.router.add_get("/version", version)
+    app.router.add_get("/ping", health)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
