@@ -193,6 +193,7 @@ async def _stream(request, gw, it, rid, model, created, jobs, states, common, ch
     async def emit(d) -> None:
         s = states[d.index]
         was_new = s.num_prompt_tokens == 0 and d.num_prompt_tokens is not None
+        offset = len(s.text) + (len(jobs[d.index // common.n].text) if echo and not was_new else 0)
         timing.tokens(d.index, len(d.token_ids))
         s.add(d)
         if chat:
@@ -211,7 +212,7 @@ async def _stream(request, gw, it, rid, model, created, jobs, states, common, ch
         lp = None
         if want_logprobs:
             lp = R.completion_logprobs(list(job.ids) if echo and was_new else None,
-                                       d.prompt_logprobs, d.logprobs, tt)
+                                       d.prompt_logprobs, d.logprobs, tt, start_offset=offset)
         await resp.write(sse.event(R.completion_chunk(rid, model, created, d.index, text,
                                                       finish_reason=d.finish_reason, logprobs=lp,
                                                       with_usage_field=uf)))
