@@ -238,14 +238,8 @@ def config_from_gguf(g: "GGUFFile", name: str) -> ModelConfig:  # noqa: F821 (la
 
 
 def _weights_fingerprint(path: Path) -> str:
-    """Digest of what identifies the weights without reading them: GGUF header, or the
-    safetensors files' names, sizes and headers."""
+    """Digest of the safetensors files' names, sizes and headers (not the tensor data)."""
     h = hashlib.sha256()
-    if path.is_file():
-        from kvmesh.model.gguf_file import GGUFFile
-        h.update(GGUFFile(path).header_digest().encode())
-        h.update(str(path.stat().st_size).encode())
-        return h.hexdigest()
     for f in sorted(path.glob("*.safetensors")):
         with open(f, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
@@ -254,12 +248,21 @@ def _weights_fingerprint(path: Path) -> str:
 
 
 def model_identity(model: str) -> str:
-    """`<name>-<16 hex>`: the model's name and a digest of its config and weight-file metadata.
-    Stable across processes and machines (no paths, no mtimes); gateway and engine agree."""
+    """`<name>-<16 hex>`: the model's name and a digest of its config and weight-file metadata
+    (GGUF header, or safetensors headers). Stable across processes and machines (no paths, no
+    mtimes), so the gateway and the engine agree on block hashes."""
     path = resolve_model_path(model)
-    cfg = load_model_config(model)
+    name = SMOLLM2_ALIAS if model == SMOLLM2_ALIAS else (path.stem if path.is_file() else path.name)
+    if path.is_file():
+        from kvmesh.model.gguf_file import GGUFFile
+        g = GGUFFile(path)  # parsed once for both the config and the fingerprint
+        cfg = config_from_gguf(g, name)
+        fingerprint = hashlib.sha256((g.header_digest() + str(path.stat().st_size)).encode()).hexdigest()
+    else:
+        cfg = config_from_hf_dir(path, name)
+        fingerprint = _weights_fingerprint(path)
     h = hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True).encode())
-    h.update(_weights_fingerprint(path).encode())
+    h.update(fingerprint.encode())
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", cfg.name)[:64]
     return f"{safe}-{h.hexdigest()[:16]}"
 
