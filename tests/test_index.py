@@ -45,6 +45,16 @@ async def test_removed_and_drop_holder(index):
     assert await index.lookup(hs) == [frozenset()] * 5
 
 
+async def test_stale_and_unknown_removals_are_harmless(index):
+    a, b = rand_hashes(2)
+    await index.publish("gone:1", [], [a])  # a holder never seen, a block never stored
+    await index.publish("n:1", [b], [])
+    await index.publish("n:1", [b], [])  # a re-publish is idempotent
+    await index.publish("n:1", [], [a])  # removing what n:1 never held leaves b alone
+    assert await index.lookup([a, b]) == [frozenset(), frozenset({"n:1"})]
+    await index.drop_holder("never-published:9")
+
+
 async def test_256_hash_lookup(index):
     hs = rand_hashes(256)
     await index.publish("w:9", hs[::2], [])
