@@ -216,6 +216,8 @@ class ServiceProcess:
     """What `probe` checks: host:port (gRPC) or http://host:port."""
     popen: Optional[subprocess.Popen] = None
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=40))
+    pump: Optional[threading.Thread] = None
+    """Copies the child's output into `tail` (and the launcher's log)."""
 
     @property
     def pid(self) -> Optional[int]:
@@ -304,8 +306,11 @@ class Stack:
 
     def _pump(self, proc: ServiceProcess) -> None:
         assert proc.popen is not None and proc.popen.stdout is not None
-        for raw in proc.popen.stdout:
-            self._emit(proc, raw.decode(errors="replace").rstrip("\n"))
+        try:
+            for raw in proc.popen.stdout:
+                self._emit(proc, raw.decode(errors="replace").rstrip("\n"))
+        except (ValueError, OSError):  # the pipe was closed under us by stop(): nothing more to read
+            pass
 
     def _spawn(self, proc: ServiceProcess) -> None:
         # The launcher passes every setting as a flag; stray KVMESH_* variables must not leak in as defaults.
@@ -313,7 +318,8 @@ class Stack:
         env.setdefault("PYTHONUNBUFFERED", "1")
         proc.popen = subprocess.Popen(proc.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, env=env, preexec_fn=self._child_setup)
-        threading.Thread(target=self._pump, args=(proc,), name=f"log-{proc.name}", daemon=True).start()
+        proc.pump = threading.Thread(target=self._pump, args=(proc,), name=f"log-{proc.name}", daemon=True)
+        proc.pump.start()
         self.children.append(proc)
 
     def dead(self) -> Optional[ServiceProcess]:
@@ -377,9 +383,17 @@ class Stack:
                     c.popen.wait()
         codes = {c.name: c.returncode() for c in self.children}
         for c in self.children:
+            if c.pump is not None:
+                c.pump.join(2.0)  # the last lines (a shutdown error) belong in the log
             if c.popen and c.popen.stdout:
                 c.popen.stdout.close()
         return codes
+
+    def kill(self) -> None:
+        """SIGKILL every child still running (a second Ctrl-C)."""
+        for c in self.children:
+            if c.returncode() is None:
+                c.popen.kill()
 
     def __enter__(self) -> "Stack":
         return self.start()
@@ -410,6 +424,9 @@ def run_stack(cfg: StackConfig, out: TextIO = sys.stdout) -> int:
     stop = threading.Event()
 
     def on_signal(signum, _frame):
+        if stop.is_set():  # a second Ctrl-C: do not wait for graceful shutdowns
+            print("\nkvmesh up: killing every service", file=out, flush=True)
+            stack.kill()
         stop.set()
         stack.interrupt()
 

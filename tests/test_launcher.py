@@ -168,3 +168,24 @@ def test_stack_in_memory_index_is_shared_across_processes(otlp_receiver):  # noq
     assert "Traceback" not in log.getvalue(), log.getvalue()[-3000:]
     services = {svc for svc, _span in receiver.spans}
     assert "kvmesh-decode" in services, services  # flushed by each role's tracer shutdown on SIGTERM
+
+
+def test_sigint_during_startup_stops_what_started():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    proc = subprocess.Popen([sys.executable, "-m", "kvmesh", "up", "--port", "0", "--num-prefill", "0",
+                             "--kvstore-capacity-bytes", str(16 << 20)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    out = _Output(proc)
+    try:
+        out.wait_for(r"^\[kvstore-0\] .*serving", 120)  # first wave up; the decode worker is loading
+        children = _children(proc.pid)
+        assert len(children) >= 2
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        out.wait_for(r"interrupted during startup; services stopped", 5)
+        assert not [c for c in children if _alive(c)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
