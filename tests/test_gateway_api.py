@@ -132,6 +132,7 @@ async def test_tokenize_detokenize_roundtrip(client, model_facts):
     ("/v1/completions", {"model": "smollm2", "prompt": [999999]}, 400, "prompt"),
     ("/v1/completions", {"model": "smollm2", "prompt": "hi", "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"model": "smollm2", "prompt": "hi", "min_tokens": 9, "max_tokens": 2}, 400, "min_tokens"),
+    ("/v1/completions", {"model": "smollm2", "prompt": ["a"] * 20, "n": 20}, 400, "prompt"),
     ("/detokenize", {"tokens": [1, -2]}, 400, "tokens"),
 ])
 async def test_bad_input_gets_openai_shaped_4xx(client, path, body, status, param):
@@ -201,6 +202,7 @@ async def test_capacity_limit_is_429(client):
     gw.active = gw.cfg.max_num_requests
     r = await client.post("/v1/completions", json={"model": "smollm2", "prompt": "hi"})
     assert r.status == 429 and (await r.json())["error"]["type"] == "rate_limit_exceeded"
+    assert r.headers["Retry-After"] == "1"
     gw.active = 0
 
 

@@ -53,7 +53,8 @@ GATEWAY = web.AppKey("gateway", Gateway)
 
 
 def error_response(e: ApiError) -> web.Response:
-    return web.json_response(e.body(), status=e.status)
+    headers = {"Retry-After": "1"} if e.status in (429, 503) else None  # capacity: come back soon
+    return web.json_response(e.body(), status=e.status, headers=headers)
 
 
 _OPEN_PATHS = ("/health", "/metrics", "/ping")

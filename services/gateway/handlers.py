@@ -18,6 +18,7 @@ from kvmesh.gateway.openai_api import (ApiError, CommonRequest, parse_chat, pars
 from kvmesh.hashing import block_hashes
 
 log = logging.getLogger("kvmesh.gateway")
+MAX_CHOICES = 256  # completions (prompts x n) one HTTP request may ask for
 
 
 @dataclass(frozen=True)
@@ -252,6 +253,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     req = parse_completion(await read_json(request))
     gw.check_model(req.common.model)
+    if len(req.prompts) * req.common.n > MAX_CHOICES:
+        raise ApiError(400, f"{len(req.prompts)} prompts x n={req.common.n} is more than {MAX_CHOICES} "
+                            "completions in one request; split the batch", param="prompt")
     jobs = []
     for i, p in enumerate(req.prompts):
         param = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
