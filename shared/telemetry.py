@@ -4,7 +4,8 @@
   given (`--otlp-endpoint` / OTEL_EXPORTER_OTLP_ENDPOINT), a no-op tracer otherwise. Call
   `Tracing.shutdown()` on exit: it flushes what is buffered (before the collector goes away).
 - Trace context crosses process boundaries as W3C `traceparent` in gRPC metadata and HTTP headers
-  (`grpc_metadata_with_context` / `context_from_grpc`, `http_headers_with_context` /
+  (`grpc_metadata_with_context` / `context_from_grpc`, `tracing_client_interceptors` for grpc.aio
+  channels, `http_headers_with_context` /
   `context_from_http`, `tracing_middleware` for aiohttp servers, `server_span` for gRPC servicers).
 - `Metrics`: one Prometheus registry per process, passed around (no module globals), with vLLM's
   engine metric names under the `kvmesh:` prefix plus the kvstore's own; `start_metrics_server`
@@ -109,6 +110,33 @@ def context_from_http(headers: Mapping[str, str]) -> Context:
     """The caller's trace context from incoming HTTP headers (case-insensitive mapping)."""
     carrier = {k.lower(): v for k, v in headers.items()}
     return _propagator().extract(carrier)
+
+
+def tracing_client_interceptors() -> list:
+    """grpc.aio client interceptors that add the current span's `traceparent` to every call's metadata:
+    `grpc.aio.insecure_channel(addr, interceptors=tracing_client_interceptors())`."""
+    import grpc
+
+    def with_context(details):
+        return details._replace(metadata=grpc.aio.Metadata(*grpc_metadata_with_context(details.metadata or ())))
+
+    class UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+        async def intercept_unary_unary(self, continuation, details, request):
+            return await continuation(with_context(details), request)
+
+    class UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+        async def intercept_unary_stream(self, continuation, details, request):
+            return await continuation(with_context(details), request)
+
+    class StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+        async def intercept_stream_unary(self, continuation, details, request_iterator):
+            return await continuation(with_context(details), request_iterator)
+
+    class StreamStream(grpc.aio.StreamStreamClientInterceptor):
+        async def intercept_stream_stream(self, continuation, details, request_iterator):
+            return await continuation(with_context(details), request_iterator)
+
+    return [UnaryUnary(), UnaryStream(), StreamUnary(), StreamStream()]
 
 
 @contextlib.contextmanager

@@ -173,3 +173,46 @@ async def test_metrics_exposition_and_server():
         assert _samples(body)[("kvmesh:prefix_cache_hits_total", lbl)] == h + 16
     finally:
         await server.close()
+
+
+async def test_grpc_client_interceptors_carry_trace_context():
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from kvmesh.telemetry import tracing_client_interceptors
+
+    seen: list[dict] = []
+
+    async def echo(request: bytes, context) -> bytes:
+        seen.append(dict(context.invocation_metadata()))
+        return request
+
+    async def echo_stream(request: bytes, context):
+        seen.append(dict(context.invocation_metadata()))
+        for i in range(3):
+            yield request + bytes([i])
+
+    ident = lambda b: b  # noqa: E731  raw bytes on the wire: no protobuf needed
+    handler = grpc.method_handlers_generic_handler("t.Echo", {
+        "Unary": grpc.unary_unary_rpc_method_handler(echo, ident, ident),
+        "Stream": grpc.unary_stream_rpc_method_handler(echo_stream, ident, ident),
+    })
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    tracer = TracerProvider().get_tracer("t")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=tracing_client_interceptors()) as ch:
+            payload = random.randbytes(16)
+            with tracer.start_as_current_span("call") as span:
+                unary = ch.unary_unary("/t.Echo/Unary", request_serializer=ident, response_deserializer=ident)
+                assert await unary(payload, metadata=(("x-id", "7"),)) == payload
+                stream = ch.unary_stream("/t.Echo/Stream", request_serializer=ident, response_deserializer=ident)
+                assert [m async for m in stream(payload)] == [payload + bytes([i]) for i in range(3)]
+            assert await unary(payload) == payload  # outside any span: no traceparent
+    finally:
+        await server.stop(None)
+    want = f"00-{span.get_span_context().trace_id:032x}-{span.get_span_context().span_id:016x}-"
+    assert seen[0]["traceparent"].startswith(want) and seen[0]["x-id"] == "7"
+    assert seen[1]["traceparent"].startswith(want)
+    assert "traceparent" not in seen[2]
