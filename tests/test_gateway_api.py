@@ -237,3 +237,45 @@ def test_completion_logprobs_echo_shape():
     # a worker that leaves position 0 out entirely
     assert completion_logprobs([1, 2], plps[1:], [], texts.__getitem__)["token_logprobs"] == [None, -1.5]
     json.dumps(out)
+
+
+async def test_health_loop_marks_workers_by_grpc_health(model_facts):
+    """A real grpc.health.v1 server: SERVING -> up, NOT_SERVING -> down, nothing listening -> down."""
+    import asyncio
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    server = grpc.aio.server()
+    hs = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    live = f"127.0.0.1:{port}"
+    await hs.set("", health_pb2.HealthCheckResponse.SERVING)
+    tok, mid = model_facts
+    cfg = GatewayConfig(decode=(live, DEAD[0]), max_model_len=64, health_interval_s=0.05)
+    app = build_app(cfg, tokenizer=tok, index=MemoryIndex(), model_id=mid)
+    c = TestClient(TestServer(app))
+    await c.start_server()
+    try:
+        router = app[GATEWAY].router
+
+        async def wait_for(addr: str, healthy: bool) -> None:
+            for _ in range(200):
+                if router.workers[addr].healthy == healthy:
+                    return
+                await asyncio.sleep(0.02)
+            raise AssertionError(f"{addr} never became {'up' if healthy else 'down'}")
+
+        await wait_for(DEAD[0], False)
+        assert router.workers[live].healthy
+        await hs.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await wait_for(live, False)
+        assert (await c.get("/health")).status == 503
+        await hs.set("", health_pb2.HealthCheckResponse.SERVING)
+        await wait_for(live, True)
+        assert (await c.get("/health")).status == 200
+    finally:
+        await c.close()
+        await server.stop(0)

@@ -91,9 +91,12 @@ async def read_json(request: web.Request) -> Any:
 
 
 async def _health_loop(gw: Gateway) -> None:
+    clients = list(gw.clients)
+    timeout = max(0.2, min(1.0, gw.cfg.health_interval_s))
     while True:
-        for client in gw.clients:
-            ok = await client.healthy(timeout=min(1.0, gw.cfg.health_interval_s))
+        # all at once: one slow worker must not delay noticing another one's death
+        results = await asyncio.gather(*(c.healthy(timeout=timeout) for c in clients))
+        for client, ok in zip(clients, results):
             if gw.router.workers[client.address].healthy != ok:
                 log.warning("worker %s is now %s", client.address, "up" if ok else "down")
             gw.router.mark(client.address, ok)
