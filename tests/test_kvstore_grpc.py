@@ -217,3 +217,47 @@ def test_node_for_is_rendezvous():
     # removing a node moves only its own blocks
     survivors = nodes[:2] + nodes[3:]
     assert all(node_for(h, survivors) == o for h, o in zip(hs, owners) if o != nodes[2])
+
+
+async def test_node_process_serves_publishes_and_stops_on_sigterm(redis_flush):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from redis_server import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.kvstore", "--port", str(port), "--device", "cpu",
+                             "--capacity-bytes", str(8 * MiB), "--redis-url", redis_flush,
+                             "--publish-interval", "0.02"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    address = f"127.0.0.1:{port}"
+    index = RedisIndex(redis_flush)
+    client = GrpcKVStoreClient([address], timeout=5.0)
+    try:
+        async with grpc.aio.insecure_channel(address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    await stub.Check(health_pb2.HealthCheckRequest(service="kvmesh.v1.KVStore"), timeout=1)
+                    break
+                except grpc.aio.AioRpcError:
+                    assert time.monotonic() < deadline and proc.poll() is None, "kvstore did not start"
+                    await asyncio.sleep(0.1)
+        bs = rand_blocks(3, 100_000)
+        assert await client.put(bs) == 3
+        for _ in range(100):
+            if await index.lookup([b.hash for b in bs]) == [frozenset({address})] * 3:
+                break
+            await asyncio.sleep(0.02)
+        assert await index.lookup([b.hash for b in bs]) == [frozenset({address})] * 3
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 20) == 0
+        assert await index.lookup([b.hash for b in bs]) == [frozenset()] * 3  # withdrawn on the way out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        await client.close()
+        await index.close()
