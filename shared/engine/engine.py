@@ -50,6 +50,7 @@ class LLMEngine:
         self._eos = frozenset(self.model_config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self._computed_tokens = 0
 
     # ---- identity ----
     def hash_context(self, cache_salt: str = "") -> HashContext:
@@ -168,7 +169,7 @@ class LLMEngine:
             kv_cache_usage=self.kv.usage, prefix_cache_queries=self.kv.queries,
             prefix_cache_hits=self.kv.hits, num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self._prompt_tokens, generation_tokens=self._generation_tokens,
-            num_blocks=self.kv.num_blocks)
+            num_blocks=self.kv.num_blocks, computed_tokens=self._computed_tokens)
 
     # ---- the step ----
     def step(self) -> list[RequestOutput]:
@@ -177,6 +178,7 @@ class LLMEngine:
             return []
         sample_seqs, rows, chunks, slices = self._plan(batch)
         sample_logits, prompt_logits = self.runner.execute(chunks, slices, rows)
+        self._computed_tokens += batch.num_tokens
         for seq, n in zip(batch.seqs, batch.num_new):
             if seq.num_computed_tokens < seq.num_prompt_tokens <= seq.num_computed_tokens + n \
                     and seq.num_preemptions == 0 and seq.index == 0:

@@ -24,3 +24,5 @@ class EngineStats:
     """Tokens sampled (cumulative)."""
     num_blocks: int = 0
     """Pages in the pool."""
+    computed_tokens: int = 0
+    """Tokens run through the model (prefill chunks + decodes, cumulative): what prefix hits save."""
