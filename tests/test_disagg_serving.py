@@ -21,6 +21,9 @@ import pytest
 import pytest_asyncio
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvmesh.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvmesh.decode.config import DecodeConfig
@@ -62,6 +65,7 @@ class Stack:
     index: MemoryIndex
     kvstore: KVStoreServer
     reference: LLM
+    spans: InMemorySpanExporter
     workers: list = dataclasses.field(default_factory=list)  # prefill, decode 0, decode 1
     channels: list = dataclasses.field(default_factory=list)
     clients: list = dataclasses.field(default_factory=list)
@@ -72,7 +76,10 @@ class Stack:
         cfg = cfg_cls(**common, **extra)
         client = GrpcKVStoreClient([self.kvstore.address])
         self.clients.append(client)
-        w = cls(cfg, AsyncEngine(await asyncio.to_thread(LLMEngine, cfg.engine)), client, self.index)
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(self.spans))
+        w = cls(cfg, AsyncEngine(await asyncio.to_thread(LLMEngine, cfg.engine)), client, self.index,
+                tracer=provider.get_tracer("test"))
         await w.start()
         self.workers.append(w)
         self.channels.append(grpc.aio.insecure_channel(w.address))
@@ -116,7 +123,7 @@ async def stack(request):
     reference = await asyncio.to_thread(LLM, "smollm2", device="cpu", kv_cache_dtype=kv_dtype,
                                         block_size=BS, kv_cache_memory=KV_MEMORY, max_num_seqs=4,
                                         max_model_len=MAX_MODEL_LEN)
-    s = Stack(kv_dtype, index, kvstore, reference)
+    s = Stack(kv_dtype, index, kvstore, reference, InMemorySpanExporter())
     try:
         await s.add_worker(PrefillWorker, PrefillConfig)
         await s.decode(0)
@@ -199,6 +206,10 @@ async def test_second_turn_hits_blocks_of_first_turns_decode_worker(stack: Stack
     assert ref2.num_cached_tokens == 4 * BS  # the reference engine hit its own turn-1 blocks
     assert [t for c in chunks for t in c.token_ids] == ref2.outputs[0].token_ids
     assert "".join(c.text for c in chunks) == ref2.outputs[0].text
+    # The same turn through the prefill worker: it has blocks 0-1 itself and pulls 2-3 from the store.
+    tokens, text, reply, _ = await _disagg(stack, p2, params, decode=0, cached=hashes)
+    assert reply.num_cached_tokens == 4 * BS
+    assert tokens == ref2.outputs[0].token_ids and text == ref2.outputs[0].text
 
 
 async def test_cancelled_stream_frees_blocks(stack: Stack):
@@ -269,3 +280,10 @@ async def test_health_metrics_and_bad_requests(stack: Stack):
         _ = [c async for c in (await stack.decode_stub(0)).Generate(pb.GenerateRequest(
             prompt_token_ids=_prompt(20), sampling=pb.SamplingParams(max_tokens=4)))]
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prefilled" in e.value.details()
+    # One server span per call, with what the worker did.
+    spans = stack.spans.get_finished_spans()
+    prefill = [sp for sp in spans if sp.name == "kvmesh.prefill/Prefill"]
+    decode = [sp for sp in spans if sp.name == "kvmesh.decode/Generate"]
+    assert any(sp.attributes.get("kvmesh.pushed_blocks", 0) > 0 for sp in prefill)
+    assert any(sp.attributes.get("kvmesh.pulled_blocks", 0) > 0 for sp in decode)
+    assert any(not sp.status.is_ok for sp in decode)  # the rejected call is marked failed

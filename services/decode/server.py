@@ -62,6 +62,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             block_size = self.transfer.layout.block_size
             prompt = list(request.prompt_token_ids)
             rid = request.request_id or f"decode-{next(self._ids)}"
+            span.set_attribute("kvmesh.request_id", rid)
+            span.set_attribute("kvmesh.prompt_tokens", len(prompt))
             resuming = not request.do_prefill
             try:
                 params = convert.sampling_from_proto(request.sampling)
@@ -74,8 +76,6 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                     refs = convert.block_refs_from_proto(request.cached_blocks)
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            span.set_attribute("kvmesh.request_id", rid)
-            span.set_attribute("kvmesh.prompt_tokens", len(prompt))
             span.set_attribute("kvmesh.do_prefill", not resuming)
 
             if resuming and request.prefilled.finish_reason:

@@ -49,15 +49,15 @@ class PrefillServicer(pb_grpc.PrefillServicer):
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillReply:
         with server_span(self.tracer, "kvmesh.prefill/Prefill", context) as span:
             start = time.perf_counter()
+            prompt = list(request.prompt_token_ids)
+            rid = request.request_id or f"prefill-{next(self._ids)}"
+            span.set_attribute("kvmesh.request_id", rid)
+            span.set_attribute("kvmesh.prompt_tokens", len(prompt))
             try:
                 params = convert.sampling_from_proto(request.sampling)
                 refs = convert.block_refs_from_proto(request.cached_blocks)
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            prompt = list(request.prompt_token_ids)
-            rid = request.request_id or f"prefill-{next(self._ids)}"
-            span.set_attribute("kvmesh.request_id", rid)
-            span.set_attribute("kvmesh.prompt_tokens", len(prompt))
             span.set_attribute("kvmesh.cached_blocks", len(refs))
 
             pulled = await self.transfer.pull(self.engine, [r.hash for r in refs], request.cache_salt,
