@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional, Sequence
 
@@ -80,8 +81,9 @@ class Dispatcher:
         """Merged deltas of n choices (indices index_base + 0..n-1); raises ApiError on failure."""
         its = [self._choice(index_base + i, f"{request_id}-{index_base + i}", prompt_ids, hashes,
                             holders, sampling, max_tokens, cache_salt) for i in range(n)]
-        async for d in merge(its):
-            yield d
+        async with aclosing(merge(its)) as merged:
+            async for d in merged:
+                yield d
 
     async def _choice(self, index: int, request_id: str, prompt_ids: Sequence[int],
                       hashes: Sequence[bytes], holders: Sequence[frozenset[str]], s: Sampling,
@@ -97,9 +99,11 @@ class Dispatcher:
             self.metrics.decision(decision.reason, decision.predicted_hit_tokens)
             produced = False
             try:
-                async for d in self._attempt(index, request_id, prompt_ids, decision, params, cache_salt):
-                    produced = True
-                    yield d
+                async with aclosing(self._attempt(index, request_id, prompt_ids, decision, params,
+                                                  cache_salt)) as attempt:
+                    async for d in attempt:
+                        produced = True
+                        yield d
                 return
             except _WorkerDown as e:
                 # Nothing reached the client yet: route around the dead worker.
@@ -133,8 +137,9 @@ class Dispatcher:
             decode = decision.decode
             while True:  # a dead decode worker is replaced: the prefill reply can resume anywhere
                 try:
-                    async for d in self._decode(decode, req, index, None):
-                        yield d
+                    async with aclosing(self._decode(decode, req, index, None)) as stream:
+                        async for d in stream:
+                            yield d
                     return
                 except _WorkerDown as e:
                     self.router.mark(e.address, False)
@@ -145,8 +150,9 @@ class Dispatcher:
         req = pb.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt_ids),
                                  sampling=params, cache_salt=cache_salt, do_prefill=True,
                                  cached_blocks=refs)
-        async for d in self._decode(decision.decode, req, index, predicted):
-            yield d
+        async with aclosing(self._decode(decision.decode, req, index, predicted)) as stream:
+            async for d in stream:
+                yield d
 
     async def _decode(self, address: str, req: pb.GenerateRequest, index: int,
                       predicted: Optional[int]) -> AsyncIterator[Delta]:
@@ -210,8 +216,9 @@ async def merge(its: list) -> AsyncIterator:
 
     async def pump(it) -> None:
         try:
-            async for x in it:
-                await queue.put(x)
+            async with aclosing(it):
+                async for x in it:
+                    await queue.put(x)
             await queue.put(done_marker)
         except Exception as e:  # handed to the reader, who re-raises it
             await queue.put(e)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Optional
 
@@ -86,8 +87,9 @@ async def _deltas(gw: Gateway, jobs: list[Job], common: CommonRequest, rid: str)
         its.append(gw.dispatcher.run(rid, job.ids, hashes, holders, common.sampling, n=common.n,
                                      max_tokens=job.max_tokens, cache_salt=common.cache_salt,
                                      index_base=k * common.n))
-    async for d in merge(its):
-        yield d
+    async with aclosing(merge(its)) as merged:  # closing us closes every worker stream now
+        async for d in merged:
+            yield d
 
 
 class _Timing:
