@@ -1,0 +1,106 @@
+"""Disaggregation hooks: prefill-only in engine A (max_tokens=1, export_kv), import + resume in
+engine B; greedy output identical to one engine doing it all, for unquantized and fp8 KV. Also the
+recompute fallback when an imported block is missing, and KV events."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmesh.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.outputs import ResumeState
+from kvmesh.engine.sampling_params import SamplingParams
+from test_engine_models import make_tiny_model, random_prompts
+
+torch.set_num_threads(1)  # 2 shared cores: more threads only add contention
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    make_tiny_model(d, "llama", seed=31)
+    return str(d)
+
+
+def make(model: str, kv_dtype: str) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model, device="cpu",
+                                  cache=CacheConfig(kv_cache_memory=2 << 20, kv_cache_dtype=kv_dtype),
+                                  scheduler=SchedulerConfig(max_num_batched_tokens=32)))
+
+
+def finish(eng: LLMEngine) -> dict:
+    final = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                final[o.request_id] = o
+    eng.kv.check_integrity()
+    return final
+
+
+def prefill(eng: LLMEngine, prompt: list[int], logprobs=None):
+    eng.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=1, logprobs=logprobs),
+                    export_kv=True)
+    return finish(eng)["p"]
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_prefill_export_import_resume_equals_one_engine(model_dir, kv_dtype):
+    prompt = random_prompts(1, 53, 53, seed=1)[0]  # 3 full blocks + 5 tail tokens
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=1)
+    one = make(model_dir, kv_dtype)
+    one.add_request("x", prompt, greedy)
+    ref = finish(one)["x"].outputs[0]
+
+    a = make(model_dir, kv_dtype)
+    pre = prefill(a, prompt, logprobs=1)
+    exp = pre.kv_export
+    assert exp is not None and len(exp.blocks) == 3 and exp.tail_tokens == 5
+    assert all(len(b.data) == a.layout.block_bytes and len(b.token_ids) == 16 for b in exp.blocks)
+    assert [b.token_ids for b in exp.blocks] == [prompt[i:i + 16] for i in (0, 16, 32)]
+    stored = [h for ev, h in a.drain_kv_events() if ev == "stored"]
+    assert stored == [b.hash for b in exp.blocks]
+    first = pre.outputs[0].token_ids
+    assert first == ref.token_ids[:1]
+
+    b = make(model_dir, kv_dtype)
+    assert b.import_blocks(exp.blocks) == 3
+    assert b.import_blocks(exp.blocks) == 0  # already cached
+    b.add_request("x", prompt, greedy, resume=ResumeState(first, exp.tail_tokens, exp.tail,
+                                                          pre.outputs[0].logprobs))
+    out = finish(b)["x"]
+    assert out.num_cached_tokens == len(prompt)
+    assert b.stats().computed_tokens == NEW - 1  # nothing of the prompt was recomputed
+    assert out.outputs[0].token_ids == ref.token_ids
+    assert out.outputs[0].text == ref.text
+    assert [lp.token_id for lp in out.outputs[0].logprobs] == ref.token_ids
+
+
+def test_missing_block_falls_back_to_recompute(model_dir):
+    prompt = random_prompts(1, 40, 40, seed=2)[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    one = make(model_dir, "auto")
+    one.add_request("x", prompt, greedy)
+    ref = finish(one)["x"].outputs[0].token_ids
+    pre = prefill(make(model_dir, "auto"), prompt)
+    b = make(model_dir, "auto")
+    assert b.import_blocks(pre.kv_export.blocks[:1]) == 1  # the second block never arrives
+    b.add_request("x", prompt, greedy, resume=ResumeState(pre.outputs[0].token_ids, pre.kv_export.tail_tokens,
+                                                          pre.kv_export.tail))
+    out = finish(b)["x"]
+    assert out.outputs[0].token_ids == ref
+    # recomputed from the first missing block: prompt rest + the given first token, then NEW - 2 decodes
+    assert b.stats().computed_tokens == (40 + 1 - 16) + NEW - 2
+
+
+def test_resume_validates_its_state(model_dir):
+    b = make(model_dir, "auto")
+    prompt = random_prompts(1, 20, 20, seed=3)[0]
+    with pytest.raises(ValueError, match="resume.tail_tokens"):
+        b.add_request("x", prompt, SamplingParams(), resume=ResumeState([1], 3, b""))
+    with pytest.raises(ValueError, match="resume.output_token_ids"):
+        b.add_request("x", prompt, SamplingParams(), resume=ResumeState([], 4, b""))
+    with pytest.raises(ValueError, match="blocks\\[\\].data"):
+        from kvmesh.engine.outputs import ExportedBlock
+        b.import_blocks([ExportedBlock(b"h" * 32, prompt[:16], b"short")])
