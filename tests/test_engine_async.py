@@ -1,0 +1,101 @@
+"""AsyncEngine: streaming from a background engine thread, errors to the caller, cancellation
+aborting the request and freeing its pages, block import between steps."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from kvmesh.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.sampling_params import SamplingParams
+from test_engine_models import make_tiny_model, random_prompts
+
+torch.set_num_threads(1)  # 2 shared cores: more threads only add contention
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    make_tiny_model(d, "llama", seed=41)
+    return str(d)
+
+
+def make(model: str) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model, device="cpu", cache=CacheConfig(kv_cache_memory=2 << 20),
+                                  scheduler=SchedulerConfig(max_num_batched_tokens=32)))
+
+
+async def collect(ae: AsyncEngine, rid: str, prompt, params) -> list:
+    return [o async for o in ae.generate(rid, prompt, params)]
+
+
+async def test_concurrent_streams_match_the_sync_engine(model_dir):
+    prompts = random_prompts(4, 5, 40, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    sync = make(model_dir)
+    for i, p in enumerate(prompts):
+        sync.add_request(f"r{i}", p, params)
+    ref = {}
+    while sync.has_unfinished():
+        for o in sync.step():
+            ref[o.request_id] = o.outputs[0].token_ids
+    ae = AsyncEngine(make(model_dir))
+    await ae.start()
+    try:
+        streams = await asyncio.gather(*(collect(ae, f"r{i}", p, params) for i, p in enumerate(prompts)))
+    finally:
+        await ae.stop()
+    for i, items in enumerate(streams):
+        assert items[-1].finished and not any(o.finished for o in items[:-1])
+        assert len(items) == 16  # one item per generated token
+        assert [len(o.outputs[0].token_ids) for o in items] == list(range(1, 17))
+        assert items[-1].outputs[0].token_ids == ref[f"r{i}"]
+
+
+async def test_bad_request_raises_and_cancel_frees_blocks(model_dir):
+    ae = AsyncEngine(make(model_dir))
+    await ae.start()
+    try:
+        with pytest.raises(ValueError, match="prompt_token_ids must not be empty"):
+            await collect(ae, "bad", [], SamplingParams())
+        gen = ae.generate("long", random_prompts(1, 30, 30, seed=2)[0],
+                          SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+        first = await gen.__anext__()
+        assert not first.finished
+        used = await ae.run(lambda e: e.stats().kv_cache_usage)
+        assert used > 0
+        await gen.aclose()  # the client went away
+        for _ in range(100):
+            st = await ae.run(lambda e: e.stats())
+            if st.kv_cache_usage == 0.0 and st.num_running == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert st.kv_cache_usage == 0.0 and st.num_running == 0
+        assert not await ae.run(lambda e: e.has_unfinished())
+    finally:
+        await ae.stop()
+
+
+async def test_import_blocks_and_resume_through_the_async_api(model_dir):
+    from kvmesh.engine.outputs import ResumeState
+    prompt = random_prompts(1, 37, 37, seed=3)[0]
+    a = AsyncEngine(make(model_dir))
+    b = AsyncEngine(make(model_dir))
+    await a.start()
+    await b.start()
+    try:
+        pre = [o async for o in a.generate("q", prompt, SamplingParams(temperature=0.0, max_tokens=1),
+                                           export_kv=True)][-1]
+        exp = pre.kv_export
+        assert await b.import_blocks(exp.blocks) == 2
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        out = [o async for o in b.generate("x", prompt, params, resume=ResumeState(
+            pre.outputs[0].token_ids, exp.tail_tokens, exp.tail))][-1]
+        ref = (await collect(a, "ref", prompt, params))[-1]
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    finally:
+        await a.stop()
+        await b.stop()
