@@ -72,16 +72,34 @@ def _store_plain(pool_ptr, base, head, x, FMT: tl.constexpr, BS: tl.constexpr, D
 
 
 @triton.jit
+def _fp8_encode(y, FMT: tl.constexpr):
+    """fp32 (already clamped to +-FMAX) -> fp8 code bytes, round half-to-even, with integer ops:
+    the same bits on every GPU and under the interpreter (whose fp8 casts misround)."""
+    MANT: tl.constexpr = 3 if FMT == 3 else 2  # mantissa bits
+    BIAS: tl.constexpr = 7 if FMT == 3 else 15
+    DROP: tl.constexpr = 23 - MANT
+    u = y.to(tl.uint32, bitcast=True)
+    sign = (u >> 31) << 7
+    a = u & 0x7FFFFFFF
+    # normal range: round the fp32 mantissa to MANT bits, then rebias the exponent
+    r = a + ((1 << (DROP - 1)) - 1) + ((a >> DROP) & 1)
+    normal = (r >> DROP) - ((127 - BIAS) << MANT)
+    # below the smallest normal (2**(1 - BIAS)): a multiple of the subnormal step 2**(1 - BIAS - MANT)
+    STEP_INV: tl.constexpr = 2.0 ** (BIAS - 1 + MANT)
+    sub = _rint(tl.abs(y) * STEP_INV)  # exact: a power-of-two multiply
+    is_sub = a < ((128 - BIAS) << 23)  # exponent below 1 - BIAS
+    code = tl.where(is_sub, sub.to(tl.uint32), normal)
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
 def _store_fp8(pool_ptr, base, scale_base, head, x, FMT: tl.constexpr, BS: tl.constexpr,
                D: tl.constexpr):
     """One scale per (page, layer, head), fp32: s = max(absmax, 1e-6) / FMAX."""
     FMAX: tl.constexpr = 448.0 if FMT == 3 else 57344.0
     s = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 1e-6), FMAX)
     y = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -FMAX), FMAX)
-    if FMT == 3:
-        q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    else:
-        q = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    q = _fp8_encode(y, FMT)
     t = tl.arange(0, BS)
     d = tl.arange(0, D)
     tl.store(pool_ptr + base + (head * BS + t)[:, None] * D + d[None, :], q)

@@ -135,10 +135,13 @@ def _softmax_step(acc, m_i, l_i, q, kt, ks, vt, vs, valid, qk_scale, HAS_SCALE: 
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s - m_new[:, None])  # [M, N]
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if HAS_SCALE:
-        p = p * vs[None, :]
     acc = acc * alpha[:, None]
-    if DOT == tl.bfloat16:  # p as hi + lo bf16 parts: bf16's 8-bit mantissa alone costs ~1e-3
+    if HAS_SCALE:
+        # V scales ride on p, normalized by the tile's largest so p stays in fp16's normal range
+        # (an e5m2 scale is ~absmax / 57344: p * s alone would sink into subnormals)
+        v_max = tl.maximum(tl.max(vs, axis=0), 1e-30)
+        acc += _dot((p * (vs / v_max)[None, :]).to(DOT), vt, DOT) * v_max
+    elif DOT == tl.bfloat16:  # p as hi + lo bf16 parts: bf16's 8-bit mantissa alone costs ~1e-3
         p_hi = p.to(tl.bfloat16)
         acc += _dot(p_hi, vt, DOT) + _dot((p - p_hi.to(tl.float32)).to(tl.bfloat16), vt, DOT)
     else:
