@@ -298,3 +298,5 @@ async def test_non_streamed_client_disconnect_aborts_on_the_worker(stack):
     while time.monotonic() < deadline and (engine.has_unfinished() or gw.active):
         await asyncio.sleep(0.05)
     assert not engine.has_unfinished() and gw.active == 0
+    # every load the router counted was given back
+    assert all((w.in_flight, w.queued_tokens) == (0, 0) for w in gw.router.workers.values())

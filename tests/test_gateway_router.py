@@ -105,6 +105,23 @@ def test_prefill_hop_only_for_long_uncached_tails():
     assert r.route(len(long_ids), hashes, holders_of(10, {})).prefill is None
 
 
+def test_queued_prefill_tokens_count_as_load():
+    r = router()
+    ids = prompt(20 * BS, 8)
+    hashes = block_hashes(ids, HashContext("m", "fp32", BS))
+    r.begin(P1, prefill_tokens=4096)  # P1 is busy prefilling a long prompt for someone else
+    assert r.cost(P1, len(ids), Prefix(0, 0)) == pytest.approx(320 + 4096 + 512)
+    d = r.route(len(ids), hashes, holders_of(20, {i: {P1} for i in range(10)}))
+    assert d.prefill == P2 and d.reason == "routed_away_for_load"
+    r.prefilled(P1, 4096)  # its first token came back: only the request remains
+    assert r.workers[P1].queued_tokens == 0 and r.workers[P1].in_flight == 1
+    r.end(P1)
+    assert r.route(len(ids), hashes, holders_of(20, {i: {P1} for i in range(10)})).prefill == P1
+    r.begin(D1, prefill_tokens=100)
+    r.end(D1, prefill_tokens=100)  # ended before its first token: the queue drains too
+    assert (r.workers[D1].in_flight, r.workers[D1].queued_tokens) == (0, 0)
+
+
 def test_decode_after_prefill_prefers_local_blocks_then_load():
     r = router()
     ids = prompt(14 * BS, 5)

@@ -122,7 +122,8 @@ class Dispatcher:
             self.metrics.lab(self.metrics.router_prefill_hops).inc()
             reply = await self._prefill(decision.prefill, pb.PrefillRequest(
                 request_id=request_id, prompt_token_ids=list(prompt_ids), sampling=params,
-                num_cached_blocks=decision.hit_blocks, cache_salt=cache_salt, cached_blocks=refs))
+                num_cached_blocks=decision.hit_blocks, cache_salt=cache_salt, cached_blocks=refs),
+                queued=len(prompt_ids) - predicted)
             self.metrics.prompt_done(len(prompt_ids), reply.num_cached_tokens, predicted)
             # The first token comes from the prefill reply; the decode stream starts after it.
             yield Delta(index=index, text=reply.first_text, token_ids=[reply.first_token],
@@ -159,10 +160,14 @@ class Dispatcher:
         """Forward one Generate stream. `predicted` set: this call prefills, its first chunk
         reports the prompt (tokens, cached tokens, prompt logprobs)."""
         first = True
-        self.router.begin(address)
+        queued = 0 if predicted is None else max(0, len(req.prompt_token_ids) - predicted)
+        self.router.begin(address, queued)
         call = self.clients[address].generate(req, timeout=self.timeout_s)
         try:
             async for chunk in call:
+                if first:
+                    self.router.prefilled(address, queued)
+                    queued = 0
                 d = Delta(index=index, text=chunk.text, token_ids=list(chunk.token_ids),
                           logprobs=list(chunk.logprobs), finish_reason=chunk.finish_reason or None)
                 if first and predicted is not None:
@@ -180,10 +185,10 @@ class Dispatcher:
             raise api_error_from_grpc(e, address) from None
         finally:
             call.cancel()  # no-op when finished; aborts the request on the worker otherwise
-            self.router.end(address)
+            self.router.end(address, queued)
 
-    async def _prefill(self, address: str, req: pb.PrefillRequest) -> pb.PrefillReply:
-        self.router.begin(address)
+    async def _prefill(self, address: str, req: pb.PrefillRequest, queued: int) -> pb.PrefillReply:
+        self.router.begin(address, queued)
         try:
             return await self.clients[address].prefill(req, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as e:
@@ -191,7 +196,7 @@ class Dispatcher:
                 raise _WorkerDown(address, e) from None
             raise api_error_from_grpc(e, address) from None
         finally:
-            self.router.end(address)
+            self.router.end(address, queued)
 
 
 class _WorkerDown(Exception):

@@ -4,7 +4,12 @@ For a worker w the prompt's blocks split into three runs, in order (hashes are c
 prefix can be cached):  blocks w holds itself (free), blocks only a kvstore holds (cheap: pulled over
 the network), the rest (computed). Then
 
-    cost(w) = alpha * (uncached_tokens + store_weight * store_tokens) + beta * in_flight(w)
+    cost(w) = alpha * (uncached_tokens + store_weight * store_tokens + queued_prefill_tokens(w))
+              + beta * in_flight(w)
+
+where the load terms are what this gateway has sent to w and not yet seen finish: requests in
+flight, and prompt tokens w still has to prefill for them (a worker busy prefilling a long prompt
+is as slow to start ours as if ours were longer).
 
 Workers within `tolerance` of the cheapest are near-equal: among them the least loaded wins and a
 random one breaks what is still tied, so several gateways reading the same index do not all pick
@@ -33,6 +38,8 @@ class WorkerState:
     address: str
     role: str  # "prefill" | "decode"
     in_flight: int = 0
+    queued_tokens: int = 0
+    """Prompt tokens sent to this worker for prefill whose first token has not come back yet."""
     healthy: bool = True
 
 
@@ -93,12 +100,21 @@ class Router:
     def mark(self, address: str, healthy: bool) -> None:
         self.workers[address].healthy = healthy
 
-    def begin(self, address: str) -> None:
-        self.workers[address].in_flight += 1
+    def begin(self, address: str, prefill_tokens: int = 0) -> None:
+        w = self.workers[address]
+        w.in_flight += 1
+        w.queued_tokens += prefill_tokens
 
-    def end(self, address: str) -> None:
+    def prefilled(self, address: str, prefill_tokens: int) -> None:
+        """The worker produced the first token: its prefill work for this request is done."""
+        w = self.workers[address]
+        w.queued_tokens = max(0, w.queued_tokens - prefill_tokens)
+
+    def end(self, address: str, prefill_tokens: int = 0) -> None:
+        """Request done; `prefill_tokens` still queued if `prefilled` was never called."""
         w = self.workers[address]
         w.in_flight = max(0, w.in_flight - 1)
+        w.queued_tokens = max(0, w.queued_tokens - prefill_tokens)
 
     # -- math -----------------------------------------------------------------------------------
     def prefix_for(self, address: str, holders: Sequence[frozenset[str]]) -> Prefix:
@@ -133,15 +149,17 @@ class Router:
         cached = min(prefix.blocks * bs, num_tokens)
         store_tokens = min(prefix.store * bs, cached)
         uncached = num_tokens - cached
-        load = self.workers[address].in_flight
-        return self.alpha * (uncached + self.store_weight * store_tokens) + self.beta * load
+        w = self.workers[address]
+        return (self.alpha * (uncached + self.store_weight * store_tokens + w.queued_tokens)
+                + self.beta * w.in_flight)
 
     def choose(self, costs: dict[str, float]) -> str:
         """Cheapest within tolerance, then least loaded, then random (anti-herding)."""
         best = min(costs.values())
         near = [a for a, c in costs.items() if c <= best + self.tolerance]
-        least = min(self.workers[a].in_flight for a in near)
-        finalists = sorted(a for a in near if self.workers[a].in_flight == least)
+        load = {a: (self.workers[a].in_flight, self.workers[a].queued_tokens) for a in near}
+        least = min(load.values())
+        finalists = sorted(a for a in near if load[a] == least)
         return finalists[0] if len(finalists) == 1 else self.rng.choice(finalists)
 
     def _refs(self, address: str, hashes: Sequence[bytes], holders: Sequence[frozenset[str]],
