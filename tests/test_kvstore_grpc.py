@@ -261,3 +261,29 @@ async def test_node_process_serves_publishes_and_stops_on_sigterm(redis_flush):
             proc.wait()
         await client.close()
         await index.close()
+
+
+async def test_prometheus_metrics():
+    import aiohttp
+
+    server = KVStoreServer(cfg(metrics_port=0))
+    await server.start()
+    client = GrpcKVStoreClient([server.address])
+    try:
+        bs = rand_blocks(3, 50_000)
+        await client.put(bs)
+        await client.get([bs[0].hash])
+        server.update_metrics()
+        url = f"http://127.0.0.1:{server.metrics_server.port}/metrics"
+        async with aiohttp.ClientSession() as http, http.get(url) as resp:
+            text = await resp.text()
+        values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                  if line.startswith("kvmesh:store_") and " " in line}
+        assert values["kvmesh:store_blocks_held"] == 3
+        assert values["kvmesh:store_bytes_in_total"] == 150_000
+        assert values["kvmesh:store_bytes_out_total"] == 50_000
+        assert values['kvmesh:store_transfer_seconds_count{op="put"}'] == 1
+        assert values['kvmesh:store_transfer_seconds_count{op="get"}'] == 1
+    finally:
+        await client.close()
+        await server.stop(grace=0.1)

@@ -40,6 +40,8 @@ class KVStoreConfig:
     """--chunk-bytes: data bytes per stream message."""
     publish_interval: float = 0.05
     """--publish-interval: seconds between batched index updates."""
+    metrics_port: Optional[int] = None
+    """--metrics-port: serve Prometheus GET /metrics on this port (0: any free port); none = off."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -71,6 +73,8 @@ class KVStoreConfig:
             raise ValueError(f"--chunk-bytes must be >= 4096, got {self.chunk_bytes}")
         if self.publish_interval <= 0:
             raise ValueError(f"--publish-interval must be positive, got {self.publish_interval}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://", "http://", "https://")):
             raise ValueError("--redis-url must start with redis://, rediss://, unix:// (Redis) or http(s):// "
                              f"(a `kvmesh index` process), got {self.redis_url!r}")
@@ -101,6 +105,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device)
     parser.add_argument("--chunk-bytes", type=int, default=d.chunk_bytes)
     parser.add_argument("--publish-interval", type=float, default=d.publish_interval)
+    parser.add_argument("--metrics-port", type=int, default=None)
     return parser
 
 
@@ -111,4 +116,4 @@ def from_args(args: argparse.Namespace) -> KVStoreConfig:
         host_tier_bytes=args.host_tier_bytes, high_watermark=args.high_watermark,
         low_watermark=args.low_watermark, lease_seconds=args.lease_seconds, redis_url=args.redis_url,
         advertise_address=args.advertise_address, device=args.device, chunk_bytes=args.chunk_bytes,
-        publish_interval=args.publish_interval)
+        publish_interval=args.publish_interval, metrics_port=args.metrics_port)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 
@@ -18,6 +19,7 @@ from kvmesh.kvstore.config import KVStoreConfig
 from kvmesh.kvstore.malloc import tune_malloc
 from kvmesh.kvstore.publisher import IndexPublisher
 from kvmesh.kvstore.store import BlockStore, ChecksumError, PutResult
+from kvmesh.telemetry import Metrics, MetricsServer, start_metrics_server
 from kvmesh.wire import kvmesh_pb2 as pb
 from kvmesh.wire import kvmesh_pb2_grpc as pb_grpc
 
@@ -27,19 +29,24 @@ SERVICE_NAME = "kvmesh.v1.KVStore"
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
-    def __init__(self, store: BlockStore, chunk_bytes: int) -> None:
+    def __init__(self, store: BlockStore, chunk_bytes: int, metrics: Metrics | None = None) -> None:
         self.store = store
         self.chunk_bytes = chunk_bytes
+        self.metrics = metrics
+
+    def _timed(self, op: str):
+        return self.metrics.time_transfer(op) if self.metrics is not None else contextlib.nullcontext()
 
     async def Put(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PutReply:
         counts = {r: 0 for r in PutResult}
         try:
-            async for header, data in assemble(request_iterator):
-                if data is None:
-                    raise StreamError(f"Put: block {header.hash.hex()[:16]} is flagged missing")
-                if not header.hash:
-                    raise StreamError("Put: a block header has an empty hash")
-                counts[self.store.put(header.hash, data, header.token_ids, header.layout, header.crc32)] += 1
+            with self._timed("put"):
+                async for header, data in assemble(request_iterator):
+                    if data is None:
+                        raise StreamError(f"Put: block {header.hash.hex()[:16]} is flagged missing")
+                    if not header.hash:
+                        raise StreamError("Put: a block header has an empty hash")
+                    counts[self.store.put(header.hash, data, header.token_ids, header.layout, header.crc32)] += 1
         except ChecksumError as exc:
             await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
         except ValueError as exc:  # StreamError, oversized block
@@ -51,13 +58,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         hashes = list(request.hashes)
         # Lease everything first: later blocks must survive while earlier ones stream.
         self.store.lease(hashes, request.lease_holder, request.lease_seconds)
-        for h in hashes:
-            block = self.store.get(h, request.lease_holder, request.lease_seconds)
-            if block is None:
-                yield missing_chunk(h)
-                continue
-            for chunk in block_chunks(block, self.chunk_bytes):
-                yield chunk
+        with self._timed("get"):
+            for h in hashes:
+                block = self.store.get(h, request.lease_holder, request.lease_seconds)
+                if block is None:
+                    yield missing_chunk(h)
+                    continue
+                for chunk in block_chunks(block, self.chunk_bytes):
+                    yield chunk
 
     async def Contains(self, request: pb.ContainsRequest, context) -> pb.ContainsReply:
         return pb.ContainsReply(present=self.store.contains(list(request.hashes)))
@@ -100,6 +108,9 @@ class KVStoreServer:
         self._health = health.aio.HealthServicer()
         self.publisher: IndexPublisher | None = None
         self.port: int | None = None
+        self.metrics = Metrics(role="kvstore") if cfg.metrics_port is not None else None
+        self.metrics_server: MetricsServer | None = None
+        self._metrics_task: asyncio.Task | None = None
 
     @property
     def address(self) -> str:
@@ -109,7 +120,8 @@ class KVStoreServer:
     async def start(self) -> int:
         tune_malloc()
         server = grpc.aio.server(options=GRPC_OPTIONS + [("grpc.so_reuseport", 0)])
-        server.add_generic_rpc_handlers((KVStoreServicer(self.store, self.cfg.chunk_bytes).handler(),))
+        servicer = KVStoreServicer(self.store, self.cfg.chunk_bytes, self.metrics)
+        server.add_generic_rpc_handlers((servicer.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         self.port = server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
         if self.port == 0:
@@ -120,8 +132,23 @@ class KVStoreServer:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.publisher = IndexPublisher(self.store, self.index, self.address, self.cfg.publish_interval)
         self.publisher.start()
+        if self.metrics is not None:
+            self.metrics_server = await start_metrics_server(self.metrics, self.cfg.host, self.cfg.metrics_port)
+            self._metrics_task = asyncio.create_task(self._refresh_metrics())
         log.info("kvstore serving on %s (pool on %s)", self.address, self.store.device)
         return self.port
+
+    async def _refresh_metrics(self, interval: float = 1.0) -> None:
+        """Copy the store's counters into the Prometheus metrics (cheap; scrapes are seconds apart)."""
+        while True:
+            self.update_metrics()
+            await asyncio.sleep(interval)
+
+    def update_metrics(self) -> None:
+        s = self.store.stats()
+        self.metrics.update_from_store_stats(blocks_held=s.blocks_held, capacity_blocks=s.capacity_blocks,
+                                             blocks_evicted=s.blocks_evicted, bytes_in=s.bytes_in,
+                                             bytes_out=s.bytes_out)
 
     async def stop(self, grace: float = 2.0) -> None:
         """Stop taking work, let streams in flight finish for `grace` s, withdraw from the index."""
@@ -130,6 +157,9 @@ class KVStoreServer:
         await self._health.enter_graceful_shutdown()
         await self._server.stop(grace)
         self._server = None
+        if self._metrics_task is not None:
+            self._metrics_task.cancel()
+            await self.metrics_server.close()
         try:
             await self.publisher.stop()
         except Exception as exc:  # the index entries expire by TTL anyway
