@@ -49,6 +49,16 @@ class Detokenizer:
         self.text += delta
         return self._check_stop(start)
 
+    def flush(self) -> None:
+        """At the end: emit bytes held back as an incomplete character (they will not complete)."""
+        prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
+        full = self._tok.decode(self._ids[self._prefix_offset:], self._skip)
+        if len(full) > len(prefix):
+            start = len(self.text)
+            self.text += full[len(prefix):]
+            self._prefix_offset = self._read_offset = len(self._ids)
+            self._check_stop(start)
+
     def _check_stop(self, new_from: int) -> Optional[str]:
         best: Optional[tuple[int, str]] = None
         for s in self._stop:

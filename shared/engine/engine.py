@@ -291,6 +291,8 @@ class LLMEngine:
             elif n_out >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = "length"
         if reason is not None:
+            if not isinstance(stop_reason, str):
+                seq.detok.flush()
             seq.finish_reason, seq.stop_reason = reason, stop_reason
             self._finish(seq)
 
