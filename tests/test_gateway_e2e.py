@@ -247,6 +247,15 @@ async def test_chat_stream_n2(stack):
     assert texts == [r.choices[0].message.content, r.choices[1].message.content]
 
 
+async def test_stop_and_penalties_reach_the_worker(stack):
+    prompt = "1, 2, 3, 4, 5,"
+    kw = dict(temperature=0.0, max_tokens=12, stop=[" 8"], repetition_penalty=1.3, top_k=5)
+    r = await stack["client"].completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=0,
+                                                 stop=[" 8"], extra_body={"repetition_penalty": 1.3, "top_k": 5})
+    ref = stack["reference"].generate([prompt], SamplingParams(**kw))[0].outputs[0]
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
+
+
 async def test_bad_input_through_openai_client(stack):
     client = stack["client"]
     with pytest.raises(openai.NotFoundError):
