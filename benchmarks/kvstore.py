@@ -1,6 +1,6 @@
-"""kvstore benchmark: put/get throughput over loopback gRPC (1 MiB blocks) and index lookups/s.
+"""kvstore benchmark: put/get throughput over loopback gRPC (1 MiB blocks by default) and index lookups/s.
 
-    .venv/bin/python benchmarks/kvstore.py [--total-mib 512] [--streams 4] [--lookups 2000]
+    .venv/bin/python benchmarks/kvstore.py [--total-mib 512] [--block-kib 1024] [--streams 4] [--lookups 2000]
 
 The kvstore runs as its own process (`python -m kvmesh.kvstore`), as in a deployment; the client is
 GrpcKVStoreClient. Index lookups are of 256 hashes each (a 4,096-token prompt at block size 16), half
@@ -48,18 +48,18 @@ def proc_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def bench_transfer(total_mib: int, streams: int, batch: int, device: str) -> dict[str, float]:
+async def bench_transfer(total_mib: int, streams: int, batch: int, device: str, block_bytes: int) -> dict[str, float]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvmesh.kvstore", "--port", str(port), "--device", device,
-                             "--capacity-bytes", str((total_mib + 64) * MiB), "--block-bytes", str(MiB)],
+                             "--capacity-bytes", str((total_mib + 64) * MiB), "--block-bytes", str(block_bytes)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     address = f"127.0.0.1:{port}"
     try:
         await wait_serving(address)
         client = GrpcKVStoreClient([address])
-        payload = os.urandom(MiB)  # distinct blocks differ in their first bytes; crc computed per block
+        payload = os.urandom(block_bytes)  # distinct blocks differ in their first bytes
         blocks = [StoredBlock(i.to_bytes(32, "big"), list(range(16)), i.to_bytes(8, "big") + payload[8:], "bench")
-                  for i in range(total_mib)]
+                  for i in range(total_mib * MiB // block_bytes)]
         for b in blocks:
             b.checksum()  # the producer (prefill) computes it once when it exports the block
         batches = [blocks[i:i + batch] for i in range(0, len(blocks), batch)]
@@ -87,8 +87,8 @@ async def bench_transfer(total_mib: int, streams: int, batch: int, device: str) 
             got_bytes += sum(len(o.data) for o in out if o is not None)
         get_s = await run("get", get, batches)
         await client.close()
-        if got_bytes != total_mib * MiB:
-            raise RuntimeError(f"got {got_bytes} bytes back, expected {total_mib * MiB}")
+        if got_bytes != len(blocks) * block_bytes:
+            raise RuntimeError(f"got {got_bytes} bytes back, expected {len(blocks) * block_bytes}")
         return {"put": total_mib * MiB / put_s / 1e9, "get": total_mib * MiB / get_s / 1e9, "cpu": cpu}
     finally:
         proc.terminate()
@@ -109,7 +109,8 @@ async def bench_index(index, lookups: int) -> float:
 
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--total-mib", type=int, default=512, help="MiB moved each way (1 MiB blocks)")
+    ap.add_argument("--total-mib", type=int, default=512, help="MiB moved each way")
+    ap.add_argument("--block-kib", type=int, default=1024, help="block size in KiB (SmolLM2 fp16: 360)")
     ap.add_argument("--streams", type=int, default=4, help="concurrent put/get streams")
     ap.add_argument("--batch", type=int, default=16, help="blocks per put/get call")
     ap.add_argument("--lookups", type=int, default=2000, help="256-hash index lookups per backend")
@@ -122,10 +123,11 @@ async def main() -> None:
         pass
 
     rows = []
-    t = await bench_transfer(args.total_mib, args.streams, args.batch, args.device)
+    t = await bench_transfer(args.total_mib, args.streams, args.batch, args.device, args.block_kib * 1024)
     for op in ("put", "get"):
         client_ms, server_ms = t["cpu"][op]
-        rows.append((f"kvstore {op}, 1 MiB blocks, loopback gRPC, {args.device} pool", f"{t[op]:.2f} GB/s"))
+        rows.append((f"kvstore {op}, {args.block_kib} KiB blocks, loopback gRPC, {args.device} pool",
+                     f"{t[op]:.2f} GB/s"))
         rows.append(("  CPU ms per MiB: client | kvstore process", f"{client_ms:.2f} | {server_ms:.2f}"))
     mem = MemoryIndex()
     rows.append(("index lookup, 256 hashes, MemoryIndex", f"{await bench_index(mem, args.lookups):,.0f} lookups/s"))
