@@ -91,21 +91,26 @@ class KVStoreConfig:
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """kvstore flags; KVMESH_REDIS_URL and KVMESH_ADVERTISE_ADDRESS supply defaults (compose, k8s)."""
     d = KVStoreConfig()
-    parser.add_argument("--host", default=d.host)
-    parser.add_argument("--port", type=int, default=d.port)
-    parser.add_argument("--capacity-bytes", type=int, default=d.capacity_bytes)
-    parser.add_argument("--capacity-blocks", type=int, default=None)
-    parser.add_argument("--block-bytes", type=int, default=None)
-    parser.add_argument("--host-tier-bytes", type=int, default=d.host_tier_bytes)
-    parser.add_argument("--high-watermark", type=float, default=d.high_watermark)
-    parser.add_argument("--low-watermark", type=float, default=d.low_watermark)
-    parser.add_argument("--lease-seconds", type=float, default=d.lease_seconds)
-    parser.add_argument("--redis-url", default=os.environ.get("KVMESH_REDIS_URL") or None)
-    parser.add_argument("--advertise-address", default=os.environ.get("KVMESH_ADVERTISE_ADDRESS") or None)
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device)
-    parser.add_argument("--chunk-bytes", type=int, default=d.chunk_bytes)
-    parser.add_argument("--publish-interval", type=float, default=d.publish_interval)
-    parser.add_argument("--metrics-port", type=int, default=None)
+    add = parser.add_argument
+    add("--host", default=d.host, help="address to bind (0.0.0.0: every interface)")
+    add("--port", type=int, default=d.port, help="gRPC port (0: any free port)")
+    add("--capacity-bytes", type=int, default=d.capacity_bytes,
+        help="pool size in bytes (GPU memory when present, host memory otherwise)")
+    add("--capacity-blocks", type=int, default=None, help="pool size in blocks (needs --block-bytes)")
+    add("--block-bytes", type=int, default=None, help="bytes of one block slot (default: the first block's size)")
+    add("--host-tier-bytes", type=int, default=d.host_tier_bytes,
+        help="host-memory tier below the pool; evicted blocks demote there (0: off)")
+    add("--high-watermark", type=float, default=d.high_watermark, help="pool fraction that starts LRU eviction")
+    add("--low-watermark", type=float, default=d.low_watermark, help="pool fraction eviction brings usage down to")
+    add("--lease-seconds", type=float, default=d.lease_seconds, help="longest lease a reader may hold")
+    add("--redis-url", default=os.environ.get("KVMESH_REDIS_URL") or None,
+        help="prefix index: redis://... or http://... of `kvmesh index` (default: in-process)")
+    add("--advertise-address", default=os.environ.get("KVMESH_ADVERTISE_ADDRESS") or None,
+        help="host:port others reach this node at; its name in the index (default: host:port)")
+    add("--device", choices=["auto", "cpu", "cuda"], default=d.device, help="where the pool lives")
+    add("--chunk-bytes", type=int, default=d.chunk_bytes, help="data bytes per stream message")
+    add("--publish-interval", type=float, default=d.publish_interval, help="seconds between index updates")
+    add("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (default: off)")
     return parser
 
 
