@@ -190,3 +190,21 @@ def test_config_errors_name_the_flag():
         KVStoreConfig(capacity_blocks=3)
     with pytest.raises(ValueError, match="--lease-seconds"):
         KVStoreConfig(lease_seconds=0)
+
+
+def test_cli_flags_build_the_config():
+    import argparse
+
+    from kvmesh.kvstore.config import add_cli_args, from_args
+
+    args = add_cli_args(argparse.ArgumentParser()).parse_args(
+        ["--port", "0", "--capacity-blocks", "8", "--block-bytes", "4096", "--host-tier-bytes", "65536",
+         "--high-watermark", "0.9", "--low-watermark", "0.7", "--lease-seconds", "5", "--device", "cpu",
+         "--redis-url", "redis://127.0.0.1:6379/0", "--advertise-address", "kv-0:50061", "--metrics-port", "0"])
+    c = from_args(args)
+    assert (c.capacity_blocks, c.block_bytes, c.host_tier_bytes, c.high_watermark, c.low_watermark) == (
+        8, 4096, 65536, 0.9, 0.7)
+    assert (c.lease_seconds, c.redis_url, c.holder, c.metrics_port) == (5.0, "redis://127.0.0.1:6379/0",
+                                                                        "kv-0:50061", 0)
+    store = BlockStore(c)
+    assert (store.capacity_blocks, store.stats().host_tier_capacity_blocks) == (8, 16)
