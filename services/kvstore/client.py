@@ -117,8 +117,7 @@ class GrpcKVStoreClient:
     # -- liveness ------------------------------------------------------------------------------
     def live_nodes(self) -> list[str]:
         now = time.monotonic()
-        live = [a for a in self.addresses if self._dead_until.get(a, 0.0) <= now]
-        return live
+        return [a for a in self.addresses if self._dead_until.get(a, 0.0) <= now]
 
     def _mark_dead(self, node: str, exc: grpc.aio.AioRpcError) -> None:
         log.warning("kvstore node %s failed (%s); routing around it for %.0f s", node, exc.code().name,
@@ -157,16 +156,19 @@ class GrpcKVStoreClient:
 
     # -- the interface -------------------------------------------------------------------------
     async def put(self, blocks: list[StoredBlock]) -> int:
-        async def call(node: str, idx: list[int]) -> list[int]:
+        held = 0  # the reply counts per call, not per block
+
+        async def call(node: str, idx: list[int]) -> list[None]:
+            nonlocal held
             def chunks():
                 for i in idx:
                     yield from block_chunks(blocks[i], self.chunk_bytes)
             reply = await self._stubs[node].Put(chunks(), timeout=self.timeout)
-            held = reply.stored + reply.already_held
-            return [held] + [0] * (len(idx) - 1)  # per-call count, spread so indices stay unique
+            held += reply.stored + reply.already_held
+            return [None] * len(idx)
 
-        out = await self._sharded([b.hash for b in blocks], call)
-        return sum(out.values())
+        await self._sharded([b.hash for b in blocks], call)
+        return held
 
     async def get(self, hashes: list[bytes], lease_holder: str = "", lease_seconds: float = 0.0
                   ) -> list[StoredBlock | None]:
