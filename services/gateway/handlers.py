@@ -138,7 +138,7 @@ async def _generate(request: web.Request, gw: Gateway, jobs: list[Job], common: 
                             "retry later", type="rate_limit_exceeded")
     gw.active += 1
     rid = new_request_id("chatcmpl" if chat else "cmpl")
-    model, created = gw.served_name, int(time.time())
+    model, created = common.model, int(time.time())  # the name the client asked for
     n_choices = len(jobs) * common.n
     states = [R.ChoiceState(index=i) for i in range(n_choices)]
     timing = _Timing(gw)
