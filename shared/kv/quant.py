@@ -98,8 +98,8 @@ def _fp8_bits_to_float(q: torch.Tensor, name: str) -> torch.Tensor:
     b = q.view(torch.uint8).to(torch.int16)
     if name == "fp8_e5m2":
         return (b << 8).view(torch.float16).float()
-    bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
-    return bits.view(torch.float16).float().mul_(256.0)
+    # sign bit 7 -> 15: adding it once carries bit 14 into 15 after the shift (int16 wraps)
+    return ((b + (b & 0x80)) << 7).view(torch.float16).float().mul_(256.0)
 
 
 def _round_scale_signed(m: torch.Tensor) -> torch.Tensor:
