@@ -13,9 +13,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Collection, Sequence
 
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
 from kvmesh.engine.outputs import ExportedBlock
 from kvmesh.kv.layout import BlockLayout
 from kvmesh.kvstore.block import StoredBlock
+from kvmesh.telemetry import PREFIX, TRANSFER_BUCKETS
 
 log = logging.getLogger(__name__)
 
@@ -48,22 +51,67 @@ class PushResult:
     """Why the store could not be written (readers will recompute those blocks)."""
 
 
+class TransferMetrics:
+    """A worker's block traffic with the kvstore, on the worker's own registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.blocks = Counter(PREFIX + "worker_blocks", "KV blocks moved between this worker and the kvstore.",
+                              ["op"], registry=registry)  # op: pulled | missing | pushed
+        self.bytes = Counter(PREFIX + "worker_transfer_bytes", "KV page bytes moved to/from the kvstore.",
+                             ["op"], registry=registry)
+        self.seconds = Histogram(PREFIX + "worker_transfer_seconds", "One pull (get+import+release) or push.",
+                                 ["op"], buckets=TRANSFER_BUCKETS, registry=registry)
+        self.errors = Counter(PREFIX + "worker_transfer_errors", "kvstore calls that failed (recomputed).",
+                              ["op"], registry=registry)
+
+    def pulled(self, r: "PullResult") -> None:
+        self.blocks.labels("pulled").inc(len(r.imported))
+        self.blocks.labels("missing").inc(r.missing)
+        self.bytes.labels("pull").inc(r.nbytes)
+        self.seconds.labels("pull").observe(r.seconds)
+        if r.error:
+            self.errors.labels("pull").inc()
+
+    def pushed(self, r: "PushResult") -> None:
+        self.blocks.labels("pushed").inc(r.stored)
+        self.bytes.labels("push").inc(r.nbytes)
+        self.seconds.labels("push").observe(r.seconds)
+        if r.error:
+            self.errors.labels("push").inc()
+
+
 class BlockTransfer:
     """One worker's path to the kvstore: pulls prefixes into its engine, pushes what it computed."""
 
     def __init__(self, kvstore: Any, layout: BlockLayout, model_id: str, holder: str,
-                 lease_seconds: float) -> None:
+                 lease_seconds: float, metrics: TransferMetrics | None = None) -> None:
         self.kvstore = kvstore  # kvmesh.kvstore.client.KVStoreClient
         self.layout = layout
         self.layout_id = layout_id(model_id, layout)
         self.holder = holder
         self.lease_seconds = lease_seconds
+        self.metrics = metrics
 
     async def pull(self, engine: Any, hashes: Sequence[bytes], cache_salt: str = "",
                    local: Collection[bytes] = ()) -> PullResult:
         """Imports the longest prefix of `hashes` available locally or in the kvstore into `engine`
         (an AsyncEngine). Blocks in `local` (already in the engine's prefix cache) are not fetched.
         A block the store lacks ends the prefix: the engine recomputes from there."""
+        r = await self._pull(engine, hashes, cache_salt, local)
+        if self.metrics is not None:
+            self.metrics.pulled(r)
+        return r
+
+    async def push(self, blocks: Sequence[ExportedBlock], known: Collection[bytes] = ()) -> PushResult:
+        """Puts `blocks` the kvstore lacks; `known` are hashes already known to be there (skipped
+        without asking). Returns what was sent."""
+        r = await self._push(blocks, known)
+        if self.metrics is not None:
+            self.metrics.pushed(r)
+        return r
+
+    async def _pull(self, engine: Any, hashes: Sequence[bytes], cache_salt: str,
+                    local: Collection[bytes]) -> PullResult:
         start = time.perf_counter()
         want = [h for h in hashes if h not in local]
         if not want:
@@ -94,9 +142,7 @@ class BlockTransfer:
         return PullResult([b.hash for b in usable], len(want) - chain_end, nbytes,
                           time.perf_counter() - start)
 
-    async def push(self, blocks: Sequence[ExportedBlock], known: Collection[bytes] = ()) -> PushResult:
-        """Puts `blocks` the kvstore lacks; `known` are hashes already known to be there (skipped
-        without asking). Returns what was sent."""
+    async def _push(self, blocks: Sequence[ExportedBlock], known: Collection[bytes]) -> PushResult:
         start = time.perf_counter()
         todo = [b for b in blocks if b.hash not in known]
         try:

@@ -24,7 +24,7 @@ from typing import Any, AsyncIterator, Optional
 import grpc
 from opentelemetry import trace
 
-from kvmesh.block_transfer import BlockTransfer
+from kvmesh.block_transfer import BlockTransfer, TransferMetrics
 from kvmesh.decode.config import DecodeConfig
 from kvmesh.telemetry import Metrics, server_span
 from kvmesh.wire import convert
@@ -167,7 +167,8 @@ class DecodeWorker:
                  metrics: Optional[Metrics] = None, tracer: Optional[trace.Tracer] = None) -> None:
         self.runtime = WorkerRuntime(cfg, "decode", engine, index, metrics)
         llm = engine.engine
-        self.transfer = BlockTransfer(kvstore, llm.layout, llm.model_id, self.runtime.holder, cfg.lease_seconds)
+        self.transfer = BlockTransfer(kvstore, llm.layout, llm.model_id, self.runtime.holder, cfg.lease_seconds,
+                                      TransferMetrics(self.runtime.metrics.registry))
         self.servicer = DecodeServicer(self.runtime, self.transfer, tracer or trace.get_tracer("kvmesh.decode"))
         self.runtime.add_servicer(lambda s: pb_grpc.add_DecodeServicer_to_server(self.servicer, s))
 

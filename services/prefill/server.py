@@ -23,7 +23,7 @@ from typing import Any, Optional
 import grpc
 from opentelemetry import trace
 
-from kvmesh.block_transfer import BlockTransfer
+from kvmesh.block_transfer import BlockTransfer, TransferMetrics
 from kvmesh.kvstore.client import node_for
 from kvmesh.prefill.config import PrefillConfig
 from kvmesh.telemetry import Metrics, server_span
@@ -124,7 +124,8 @@ class PrefillWorker:
                  metrics: Optional[Metrics] = None, tracer: Optional[trace.Tracer] = None) -> None:
         self.runtime = WorkerRuntime(cfg, "prefill", engine, index, metrics)
         llm = engine.engine
-        self.transfer = BlockTransfer(kvstore, llm.layout, llm.model_id, self.runtime.holder, cfg.lease_seconds)
+        self.transfer = BlockTransfer(kvstore, llm.layout, llm.model_id, self.runtime.holder, cfg.lease_seconds,
+                                      TransferMetrics(self.runtime.metrics.registry))
         self.servicer = PrefillServicer(self.runtime, self.transfer, list(cfg.kvstore),
                                         tracer or trace.get_tracer("kvmesh.prefill"))
         self.runtime.add_servicer(lambda s: pb_grpc.add_PrefillServicer_to_server(self.servicer, s))
