@@ -1,6 +1,8 @@
 """TorchBackend vs naive dense attention over the dequantized cache, and the write plan."""
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -78,7 +80,7 @@ CASES = {
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("case", list(CASES))
 def test_attend_matches_dense_reference(kv_dtype, group, case):
-    gen = torch.Generator().manual_seed(hash((kv_dtype, group, case)) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{kv_dtype}/{group}/{case}".encode()))  # reproducible
     kv_heads = 2
     cache = make_cache(kv_dtype, kv_heads, gen)
     seqs = make_slices(CASES[case], gen)

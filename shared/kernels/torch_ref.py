@@ -126,7 +126,8 @@ class TorchBackend:
         n_row = torch.where(jn < n[:, None], qs[:, None] + jn, torch.zeros_like(jn))  # [G, j1]
         keys.append(k[n_row].float().permute(0, 2, 1, 3))  # [G, KVH, j1, D]
         vals.append(v[n_row].float().permute(0, 2, 1, 3))
-        masks.append((jn[:, None, :] <= j[:, :, None]).expand(G, Qn, j1))  # causal among new tokens; j < n implies jn < n
+        # causal among the new tokens (j < n implies jn < n for every key a query may see)
+        masks.append((jn[:, None, :] <= j[:, :, None]).expand(G, Qn, j1))
 
         parts = [torch.matmul(Q, kk.transpose(-1, -2)) for kk in keys]
         if page_k is not None:
