@@ -63,7 +63,7 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.top_p < 1.0:
         sp, idx = probs.sort(descending=True)
         cum = sp.cumsum(-1)
-        drop = cum - sp > p.top_p  # keep the smallest set whose mass reaches top_p
+        drop = cum - sp >= p.top_p  # keep the smallest set whose mass reaches top_p
         sp = sp.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, idx, sp)
     if p.min_p > 0.0:
