@@ -251,6 +251,11 @@ def model_identity(model: str) -> str:
     """`<name>-<16 hex>`: the model's name and a digest of its config and weight-file metadata
     (GGUF header, or safetensors headers). Stable across processes and machines (no paths, no
     mtimes), so the gateway and the engine agree on block hashes."""
+    return config_and_identity(model)[1]
+
+
+def config_and_identity(model: str) -> tuple[ModelConfig, str]:
+    """`load_model_config` and `model_identity` together, reading the files once."""
     path = resolve_model_path(model)
     name = SMOLLM2_ALIAS if model == SMOLLM2_ALIAS else (path.stem if path.is_file() else path.name)
     if path.is_file():
@@ -264,7 +269,7 @@ def model_identity(model: str) -> str:
     h = hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True).encode())
     h.update(fingerprint.encode())
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", cfg.name)[:64]
-    return f"{safe}-{h.hexdigest()[:16]}"
+    return cfg, f"{safe}-{h.hexdigest()[:16]}"
 
 
 def cache_root() -> Path:

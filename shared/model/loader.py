@@ -18,8 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kvmesh.model.config import (ModelConfig, cache_root, load_model_config, model_identity,
-                                 resolve_model_path)
+from kvmesh.model.config import (ModelConfig, cache_root, config_and_identity, load_model_config,
+                                 model_identity, resolve_model_path)
 from kvmesh.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:  # `gguf` is imported only when a GGUF model is loaded
@@ -42,14 +42,14 @@ _WEIGHTS_FILE = "model.safetensors"
 
 def load_model(model: str, dtype: torch.dtype, device: torch.device | str) -> tuple[LlamaForCausalLM, ModelConfig]:
     """The model with its weights, in `dtype` on `device`, and its config."""
-    cfg = load_model_config(model)
     path = resolve_model_path(model)
     if path.is_file():
-        weights_dir = gguf_cache_dir(model)
+        cfg, identity = config_and_identity(model)
+        weights_dir = cache_root() / identity
         if not (weights_dir / _WEIGHTS_FILE).is_file():
             return _from_gguf(path, cfg, weights_dir, dtype, device), cfg
     else:
-        weights_dir = path
+        cfg, weights_dir = load_model_config(model), path
     net = _empty_model(cfg, dtype, device)
     net.load_hf_weights(_safetensors_weights(weights_dir), source=str(weights_dir))
     return net.eval(), cfg
