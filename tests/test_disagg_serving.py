@@ -242,6 +242,37 @@ async def test_cancelled_stream_frees_blocks(stack: Stack):
 
 
 @pytest.mark.parametrize("stack", ["auto"], indirect=True)
+async def test_decode_recomputes_blocks_gone_from_store(stack: Stack):
+    prompt = _prompt(2 * BS + 3)
+    params = _greedy(5)
+    ref = (await asyncio.to_thread(stack.reference.generate, [prompt], params))[0].outputs[0]
+    sampling = convert.sampling_to_proto(params)
+    reply = await stack.prefill_stub().Prefill(pb.PrefillRequest(
+        request_id="gone", prompt_token_ids=prompt, sampling=sampling))
+    # Handles the store does not hold (as if evicted after the prefill): the decode worker, which has
+    # never seen this prompt, must recompute the prompt instead of failing.
+    gone = pb.PrefillReply()
+    gone.CopyFrom(reply)
+    for b in gone.blocks:
+        b.hash = random.randbytes(32)
+    chunks = [c async for c in (await stack.decode_stub(1)).Generate(pb.GenerateRequest(
+        request_id="gone", prompt_token_ids=prompt, sampling=sampling, prefilled=gone))]
+    assert [reply.first_token] + [t for c in chunks for t in c.token_ids] == ref.token_ids
+
+
+@pytest.mark.parametrize("stack", ["auto"], indirect=True)
+async def test_concurrent_requests_each_get_their_own_stream(stack: Stack):
+    prompts = [_prompt(n) for n in (BS + 3, 2 * BS + 7, 3 * BS)]
+    lengths = [4, 7, 5]
+    results = await asyncio.gather(*(_disagg(stack, p, _greedy(n)) for p, n in zip(prompts, lengths)))
+    for p, n, (tokens, text, reply, chunks) in zip(prompts, lengths, results):
+        assert len(tokens) == n and chunks[-1].finish_reason == "length"
+        assert reply.tail.num_tokens == len(p) % BS and len(reply.blocks) == len(p) // BS
+    engine = (await stack.decode(0)).runtime.engine
+    assert not await engine.run(lambda e: e.has_unfinished())
+
+
+@pytest.mark.parametrize("stack", ["auto"], indirect=True)
 async def test_short_prompt_with_do_prefill(stack: Stack):
     prompt = _prompt(6)
     params = dataclasses.replace(_greedy(6), logprobs=2)
@@ -282,6 +313,16 @@ async def test_health_metrics_and_bad_requests(stack: Stack):
         _ = [c async for c in (await stack.decode_stub(0)).Generate(pb.GenerateRequest(
             prompt_token_ids=_prompt(20), sampling=pb.SamplingParams(max_tokens=4)))]
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prefilled" in e.value.details()
+    # A tail in another dtype would corrupt the residual slot inside the engine step: refused up front.
+    prompt = _prompt(BS + 1)
+    sampling = pb.SamplingParams(max_tokens=3)
+    reply = await stack.prefill_stub().Prefill(pb.PrefillRequest(prompt_token_ids=prompt, sampling=sampling))
+    reply.tail.dtype = "fp16"
+    reply.tail.data = reply.tail.data[:len(reply.tail.data) // 2]
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        _ = [c async for c in (await stack.decode_stub(0)).Generate(pb.GenerateRequest(
+            prompt_token_ids=prompt, sampling=sampling, prefilled=reply))]
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tail.dtype" in e.value.details()
     # One server span per call, with what the worker did.
     spans = stack.spans.get_finished_spans()
     prefill = [sp for sp in spans if sp.name == "kvmesh.prefill/Prefill"]

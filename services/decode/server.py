@@ -26,6 +26,7 @@ from opentelemetry import trace
 
 from kvmesh.block_transfer import BlockTransfer, TransferMetrics
 from kvmesh.decode.config import DecodeConfig
+from kvmesh.kv.layout import BlockLayout
 from kvmesh.telemetry import Metrics, server_span
 from kvmesh.wire import convert
 from kvmesh.wire import kvmesh_pb2 as pb
@@ -35,15 +36,26 @@ from kvmesh.worker_runtime import WorkerRuntime
 log = logging.getLogger(__name__)
 
 
-def _check_prefilled(request: pb.GenerateRequest, block_size: int) -> None:
-    """The prefill reply must describe exactly this prompt: ValueError names the bad field."""
+_ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def _check_prefilled(request: pb.GenerateRequest, layout: BlockLayout, dtype_name: str) -> None:
+    """The prefill reply must describe exactly this prompt, in this engine's shapes (checked here:
+    inside the engine step a bad tail would fail every request in the batch). ValueError names the field."""
     p = request.prefilled
-    n = len(request.prompt_token_ids)
-    if len(p.blocks) != n // block_size:
+    n, bs = len(request.prompt_token_ids), layout.block_size
+    if len(p.blocks) != n // bs:
         raise ValueError(f"prefilled.blocks has {len(p.blocks)} blocks; a {n}-token prompt has "
-                         f"{n // block_size} full blocks of {block_size}")
-    if p.tail.num_tokens != n % block_size:
-        raise ValueError(f"prefilled.tail.num_tokens is {p.tail.num_tokens}, expected {n % block_size}")
+                         f"{n // bs} full blocks of {bs}")
+    if p.tail.num_tokens != n % bs:
+        raise ValueError(f"prefilled.tail.num_tokens is {p.tail.num_tokens}, expected {n % bs}")
+    if p.tail.dtype != dtype_name:
+        raise ValueError(f"prefilled.tail.dtype is {p.tail.dtype!r} but this decode worker runs {dtype_name!r} "
+                         "(give prefill and decode workers the same --dtype)")
+    want = layout.num_layers * 2 * layout.kv_heads * bs * layout.head_dim * _ELEMENT_BYTES[dtype_name]
+    if len(p.tail.data) != want:
+        raise ValueError(f"prefilled.tail.data is {len(p.tail.data)} bytes, expected {want} "
+                         "(layers x 2 x kv_heads x block_size x head_dim; same --model on both workers?)")
 
 
 class DecodeServicer(pb_grpc.DecodeServicer):
@@ -59,9 +71,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         with server_span(self.tracer, "kvmesh.decode/Generate", context) as span:
             start = time.perf_counter()
-            block_size = self.transfer.layout.block_size
             prompt = list(request.prompt_token_ids)
-            rid = request.request_id or f"decode-{next(self._ids)}"
+            # Engine ids are unique per call: a retried request may arrive while its old run aborts.
+            rid = f"{request.request_id or 'decode'}#{next(self._ids)}"
             span.set_attribute("kvmesh.request_id", rid)
             span.set_attribute("kvmesh.prompt_tokens", len(prompt))
             resuming = not request.do_prefill
@@ -70,7 +82,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 if resuming:
                     if not request.HasField("prefilled"):
                         raise ValueError("prefilled: required unless do_prefill is set")
-                    _check_prefilled(request, block_size)
+                    _check_prefilled(request, self.transfer.layout, self.engine.engine.runner.dtype_name)
                     refs = convert.block_refs_from_proto(request.prefilled.blocks)
                 else:
                     refs = convert.block_refs_from_proto(request.cached_blocks)

@@ -50,7 +50,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         with server_span(self.tracer, "kvmesh.prefill/Prefill", context) as span:
             start = time.perf_counter()
             prompt = list(request.prompt_token_ids)
-            rid = request.request_id or f"prefill-{next(self._ids)}"
+            # Engine ids are unique per call: a retried request may arrive while its old run aborts.
+            rid = f"{request.request_id or 'prefill'}#{next(self._ids)}"
             span.set_attribute("kvmesh.request_id", rid)
             span.set_attribute("kvmesh.prompt_tokens", len(prompt))
             try:
