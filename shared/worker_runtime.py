@@ -100,7 +100,8 @@ class WorkerRuntime:
 
     # -- prefix-cache events --------------------------------------------------------------------
     async def local_blocks(self) -> set[bytes]:
-        """Hashes in this worker's local prefix cache, up to date as of now (drains events)."""
+        """Hashes in this worker's local prefix cache, up to date as of now (drains events).
+        The live set, not a copy: read it before the next await."""
         await self.publish_events()
         return self._held
 

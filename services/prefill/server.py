@@ -91,6 +91,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             span.set_attribute("kvmesh.pushed_blocks", pushed.stored)
             await self.runtime.publish_events()
 
+            # Handles name the node the put went to: the rendezvous owner among the live nodes.
+            live = self.transfer.kvstore.live_nodes() if hasattr(self.transfer.kvstore, "live_nodes") else []
+            nodes = live or self.nodes
             comp = final.outputs[0]
             finish = ""
             if comp.finish_reason == "stop" or (comp.finish_reason and params.max_tokens == 1):
@@ -98,7 +101,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             reply = pb.PrefillReply(
                 first_token=comp.token_ids[0], first_text=_visible_text(comp.text, params.stop, bool(finish)),
                 blocks=convert.block_refs_to_proto(
-                    convert.BlockRef(b.hash, node_for(b.hash, self.nodes)) for b in export.blocks),
+                    convert.BlockRef(b.hash, node_for(b.hash, nodes)) for b in export.blocks),
                 tail=convert.tail_to_proto(convert.tail_from_export(export)),
                 num_cached_tokens=final.num_cached_tokens,
                 prompt_logprobs=convert.prompt_logprobs_to_proto(final.prompt_logprobs),
