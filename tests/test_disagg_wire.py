@@ -122,3 +122,45 @@ def test_blocks_tail_and_resume():
     assert (r.output_token_ids, r.tail_tokens, r.tail) == ([42], 5, tail)
     assert r.output_logprobs[0].token_id == 42
     assert convert.resume_from_prefill(reply, want_logprobs=False).output_logprobs is None
+
+
+async def test_block_transfer_pull_and_push_against_a_real_store(tmp_path):
+    """BlockTransfer between a real BlockStore (in-process transport) and a real engine on a tiny
+    random model: pushes only what the store lacks, pulls the longest usable prefix, releases."""
+    from kvmesh.block_transfer import BlockTransfer, layout_id
+    from kvmesh.config import CacheConfig, EngineConfig
+    from kvmesh.engine.async_engine import AsyncEngine
+    from kvmesh.engine.engine import LLMEngine
+    from kvmesh.engine.outputs import ExportedBlock
+    from kvmesh.kvstore.client import LocalKVStoreClient
+    from kvmesh.kvstore.config import KVStoreConfig
+    from kvmesh.kvstore.store import BlockStore
+    from test_engine_models import make_tiny_model
+
+    make_tiny_model(tmp_path)
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", cache=CacheConfig(
+        kv_cache_dtype="int8", kv_cache_memory=64 * 1024))))
+    layout = engine.engine.layout
+    rng = random.Random()
+    store = BlockStore(KVStoreConfig(capacity_bytes=1 << 20))
+    t = BlockTransfer(LocalKVStoreClient(store), layout, engine.engine.model_id, holder="w:1", lease_seconds=30.0)
+    blocks = [ExportedBlock(rng.randbytes(32), [rng.randrange(256) for _ in range(layout.block_size)],
+                            rng.randbytes(layout.block_bytes)) for _ in range(5)]
+    # push: only what the store lacks, skipping `known` without asking.
+    r = await t.push(blocks[:3], known={blocks[0].hash})
+    assert (r.stored, r.nbytes) == (2, 2 * layout.block_bytes)
+    assert store.contains([b.hash for b in blocks]) == [False, True, True, False, False]
+    assert (await t.push(blocks[:3])).stored == 1  # block 0; 1 and 2 are already held
+    # Block 3 was written under another layout (another model): not importable here.
+    store.put(blocks[3].hash, blocks[3].data, blocks[3].token_ids, layout_id("other-model", layout))
+    await engine.start()
+    try:
+        r = await t.pull(engine, [b.hash for b in blocks], local={blocks[1].hash})
+        assert r.imported == [blocks[0].hash, blocks[2].hash] and r.missing == 2  # stops at block 3
+        held = await engine.run(lambda e: [e.kv.contains(b.hash) for b in blocks])
+        assert held == [True, False, True, False, False]
+        assert not any(store.leases.is_leased(b.hash) for b in blocks)  # released after the import
+        # Nothing to fetch: no store call.
+        assert (await t.pull(engine, [blocks[1].hash], local={blocks[1].hash})).imported == []
+    finally:
+        await engine.stop()
