@@ -1,7 +1,8 @@
 """CPU decode throughput: kvmesh's engine vs transformers' `generate`, side by side in one run.
 
-Best of --repeats alternating runs per side. Same model weights (the converted SmolLM2 cache), fp32, greedy, the same random prompts of one
-length, the same number of new tokens (EOS ignored on both sides), batch 1, 8 and 32.
+Same model weights (the converted SmolLM2 cache), fp32, greedy, the same random prompts of one
+length, the same number of new tokens (EOS ignored on both sides), batch 1, 8 and 32; best of
+--repeats alternating runs per side, so that load on a shared machine hits both alike.
 
     .venv/bin/python benchmarks/throughput.py [--batch-sizes 1,8,32] [--prompt-len 64] [--new-tokens 64]
 """
