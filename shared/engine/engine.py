@@ -38,7 +38,10 @@ class LLMEngine:
         self.layout = self.runner.layout
         self.tokenizer = Tokenizer.from_model(config.model)
         self.model_id = model_identity(config.model)
-        self.max_model_len = sc.max_model_len or self.model_config.max_position_embeddings
+        ctx = self.model_config.max_position_embeddings
+        if sc.max_model_len is not None and sc.max_model_len > ctx:
+            raise ValueError(f"--max-model-len {sc.max_model_len} exceeds the model's context length {ctx}")
+        self.max_model_len = sc.max_model_len or ctx
         self.kv = KVCacheManager(self.runner.cache.num_blocks, config.cache.enable_prefix_caching,
                                  block_size=self.layout.block_size)
         limits = SchedulerLimits(sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len,
@@ -175,6 +178,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if batch.empty:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # add_request guarantees any one request fits an empty pool; this is a bug if hit
+                raise RuntimeError(f"{len(self.scheduler.waiting)} waiting sequences cannot be scheduled "
+                                   "on an idle engine")
             return []
         sample_seqs, rows, chunks, slices = self._plan(batch)
         sample_logits, prompt_logits = self.runner.execute(chunks, slices, rows)
