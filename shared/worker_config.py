@@ -40,6 +40,9 @@ class WorkerConfig:
     """--lease-seconds: how long kvstore keeps blocks this worker is pulling from being evicted."""
     publish_interval: float = 0.05
     """--publish-interval: seconds between batched prefix-cache event publishes to the index."""
+    max_pending_requests: int = 256
+    """--max-pending-requests: calls in flight (running + queued) beyond which new ones get
+    RESOURCE_EXHAUSTED (the gateway answers 429); 0 = no limit."""
 
     def __post_init__(self) -> None:
         if not self.kvstore:
@@ -56,6 +59,8 @@ class WorkerConfig:
             raise ValueError(f"--lease-seconds must be positive, got {self.lease_seconds}")
         if self.publish_interval <= 0:
             raise ValueError(f"--publish-interval must be positive, got {self.publish_interval}")
+        if self.max_pending_requests < 0:
+            raise ValueError(f"--max-pending-requests must be >= 0, got {self.max_pending_requests}")
 
     def holder(self, bound_port: int) -> str:
         """The name this worker publishes in the index: --advertise-address or host:bound port."""
@@ -80,6 +85,8 @@ def add_worker_args(parser: argparse.ArgumentParser, default_port: int) -> argpa
     g.add_argument("--metrics-port", type=int, default=None)
     g.add_argument("--lease-seconds", type=float, default=d.lease_seconds)
     g.add_argument("--publish-interval", type=float, default=d.publish_interval)
+    g.add_argument("--max-pending-requests", type=int, default=d.max_pending_requests,
+                   help="calls in flight beyond which new ones are refused (0 = no limit)")
     return parser
 
 
@@ -89,4 +96,4 @@ def worker_fields_from_args(args: argparse.Namespace) -> dict:
     return dict(engine=engine_config_from_args(args), kvstore=nodes, host=args.host, port=args.port,
                 advertise_address=args.advertise_address, redis_url=args.redis_url,
                 metrics_port=args.metrics_port, lease_seconds=args.lease_seconds,
-                publish_interval=args.publish_interval)
+                publish_interval=args.publish_interval, max_pending_requests=args.max_pending_requests)

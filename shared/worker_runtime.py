@@ -47,6 +47,8 @@ class WorkerRuntime:
         self._publisher: Optional[asyncio.Task] = None
         self._metrics_server: Optional[MetricsServer] = None
         self._background: set[asyncio.Task] = set()
+        self.max_pending = cfg.max_pending_requests
+        self.pending = 0
 
     @property
     def address(self) -> str:
@@ -97,6 +99,21 @@ class WorkerRuntime:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
+
+    # -- admission --------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def admitted(self, context: grpc.aio.ServicerContext):
+        """Counts the call in flight for its whole life, or refuses it with RESOURCE_EXHAUSTED when
+        --max-pending-requests are already in flight (a capacity limit, not a bad request)."""
+        if self.max_pending and self.pending >= self.max_pending:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.role} worker {self.holder} has {self.pending} requests in flight "
+                                f"(--max-pending-requests {self.max_pending}); retry later or add workers")
+        self.pending += 1
+        try:
+            yield
+        finally:
+            self.pending -= 1
 
     # -- prefix-cache events --------------------------------------------------------------------
     async def local_blocks(self) -> set[bytes]:

@@ -239,6 +239,28 @@ async def test_cancelled_stream_frees_blocks(stack: Stack):
     assert not now[1], "the request is still in the engine after cancel"
     assert now[0].kv_cache_usage == base.kv_cache_usage
     assert now[0].num_running == 0
+    assert (await stack.decode(0)).runtime.pending == 0
+
+
+@pytest.mark.parametrize("stack", ["auto"], indirect=True)
+async def test_worker_at_capacity_refuses_with_resource_exhausted(stack: Stack):
+    runtime = (await stack.decode(0)).runtime
+    params = convert.sampling_to_proto(_greedy(100))
+    prompt = _prompt(BS + 2)
+    reply = await stack.prefill_stub().Prefill(pb.PrefillRequest(prompt_token_ids=prompt, sampling=params))
+    runtime.max_pending = 1
+    try:
+        first = (await stack.decode_stub(0)).Generate(pb.GenerateRequest(
+            prompt_token_ids=prompt, sampling=params, prefilled=reply))
+        await first.read()  # running now
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            _ = [c async for c in (await stack.decode_stub(0)).Generate(pb.GenerateRequest(
+                prompt_token_ids=prompt, sampling=params, prefilled=reply))]
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-pending-requests 1" in e.value.details()
+        first.cancel()
+    finally:
+        runtime.max_pending = 256
 
 
 @pytest.mark.parametrize("stack", ["auto"], indirect=True)

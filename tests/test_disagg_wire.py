@@ -47,6 +47,7 @@ def test_worker_flags_build_engine_config():
     (["--kvstore", "a:1", "--block-size", "12"], "--block-size"),
     (["--kvstore", "a:1", "--lease-seconds", "0"], "--lease-seconds"),
     (["--kvstore", "a:1", "--advertise-address", "x"], "--advertise-address"),
+    (["--kvstore", "a:1", "--max-pending-requests", "-1"], "--max-pending-requests"),
 ])
 def test_bad_worker_flags_name_the_flag(argv, flag):
     with pytest.raises(ValueError, match=flag):

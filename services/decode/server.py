@@ -69,6 +69,14 @@ class DecodeServicer(pb_grpc.DecodeServicer):
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+        async with self.runtime.admitted(context):
+            # aclosing: a cancelled call closes the inner generator, which closes the engine stream.
+            async with contextlib.aclosing(self._generate(request, context)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+
+    async def _generate(self, request: pb.GenerateRequest,
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         with server_span(self.tracer, "kvmesh.decode/Generate", context) as span:
             start = time.perf_counter()
             prompt = list(request.prompt_token_ids)

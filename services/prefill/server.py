@@ -47,6 +47,10 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self._ids = itertools.count()
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillReply:
+        async with self.runtime.admitted(context):
+            return await self._prefill(request, context)
+
+    async def _prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillReply:
         with server_span(self.tracer, "kvmesh.prefill/Prefill", context) as span:
             start = time.perf_counter()
             prompt = list(request.prompt_token_ids)
