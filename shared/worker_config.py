@@ -20,6 +20,16 @@ def _check_address(flag: str, addr: str) -> None:
         raise ValueError(f"{flag} expects host:port, got {addr!r}")
 
 
+class _AppendOverridingDefault(argparse._AppendAction):  # argparse has no public base for this
+    """Repeatable flag whose command-line values replace its default (e.g. one from KVMESH_KVSTORE)
+    instead of being appended to it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is self.default:
+            setattr(namespace, self.dest, [])
+        super().__call__(parser, namespace, values, option_string)
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -75,7 +85,7 @@ def add_worker_args(parser: argparse.ArgumentParser, default_port: int) -> argpa
     add_engine_args(parser)
     d = WorkerConfig(kvstore=("x:1",))
     g = parser.add_argument_group("worker")
-    g.add_argument("--kvstore", action="append", default=None, metavar="HOST:PORT",
+    g.add_argument("--kvstore", action=_AppendOverridingDefault, default=None, metavar="HOST:PORT",
                    help="kvstore node (repeatable, or comma-separated)")
     g.add_argument("--host", default=d.host)
     g.add_argument("--port", type=int, default=default_port)

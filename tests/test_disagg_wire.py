@@ -40,6 +40,20 @@ def test_worker_flags_build_engine_config():
     assert pcfg.engine.cache.enable_prefix_caching is True
 
 
+def test_environment_defaults_and_command_line_override():
+    from kvmesh.cli import build_parser
+
+    env = {"KVMESH_KVSTORE": "a:1,b:2", "KVMESH_MAX_PENDING_REQUESTS": "5", "KVMESH_KV_CACHE_DTYPE": "int8",
+           "KVMESH_ENABLE_PREFIX_CACHING": "false"}
+    parser = build_parser("decode", env)
+    cfg = decode_config.from_args(parser.parse_args(["decode"]))
+    assert cfg.kvstore == ("a:1", "b:2") and cfg.max_pending_requests == 5
+    assert cfg.engine.cache.kv_cache_dtype == "int8" and not cfg.engine.cache.enable_prefix_caching
+    # A flag on the command line replaces the environment's list, it does not extend it.
+    cfg = decode_config.from_args(parser.parse_args(["decode", "--kvstore", "c:3", "--kvstore", "d:4"]))
+    assert cfg.kvstore == ("c:3", "d:4")
+
+
 @pytest.mark.parametrize("argv, flag", [
     ([], "--kvstore"),
     (["--kvstore", "nohost"], "--kvstore"),
