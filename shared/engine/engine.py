@@ -298,7 +298,9 @@ class LLMEngine:
             elif n_out >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = "length"
         if reason is not None:
-            if not isinstance(stop_reason, str):
+            # Emit bytes held back as an incomplete character, unless another engine may resume
+            # this sequence (a prefill hop): there the next token completes the character.
+            if not isinstance(stop_reason, str) and not seq.request.export_kv:
                 seq.detok.flush()
             seq.finish_reason, seq.stop_reason = reason, stop_reason
             self._finish(seq)
