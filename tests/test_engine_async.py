@@ -99,3 +99,19 @@ async def test_import_blocks_and_resume_through_the_async_api(model_dir):
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_abort_ends_the_stream(model_dir):
+    ae = AsyncEngine(make(model_dir))
+    await ae.start()
+    try:
+        gen = ae.generate("a", random_prompts(1, 20, 20, seed=4)[0],
+                          SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+        got = [await gen.__anext__()]
+        await ae.abort("a")
+        got += [o async for o in gen]
+        assert not any(o.finished for o in got)
+        st = await ae.run(lambda e: e.stats())
+        assert st.kv_cache_usage == 0.0 and st.num_running == 0
+    finally:
+        await ae.stop()

@@ -118,6 +118,9 @@ class AsyncEngine:
             added = True
             while not finished:
                 item = await q.get()
+                if item is None:  # aborted through abort(): the stream just ends
+                    finished = True
+                    break
                 if isinstance(item, Exception):
                     finished = True
                     raise item
@@ -130,7 +133,11 @@ class AsyncEngine:
                 self._wake.set()
 
     async def abort(self, request_id: str) -> None:
+        """Aborts a request (its blocks are freed at once); its stream ends without a final item."""
         await self._call(lambda: self.engine.abort(request_id))
+        q = self._queues.get(request_id)
+        if q is not None:
+            q.put_nowait(None)
 
     async def import_blocks(self, blocks: list[ExportedBlock], cache_salt: str = "") -> int:
         return await self._call(lambda: self.engine.import_blocks(blocks, cache_salt))
