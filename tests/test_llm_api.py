@@ -31,6 +31,8 @@ def test_generate_strings_and_token_ids_in_order(llm):
     assert ids[0].outputs[0].token_ids == outs[2].outputs[0].token_ids
     assert llm.generate(texts[:2], [sp, SamplingParams(temperature=0.0, max_tokens=3)])[1].outputs[0].token_ids \
         == outs[1].outputs[0].token_ids[:3]
+    dicts = llm.generate([{"prompt": texts[0]}, {"prompt_token_ids": tok.encode(texts[2])}], sampling_params=sp)
+    assert [d.outputs[0].token_ids for d in dicts] == [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids]
 
 
 def test_chat_applies_the_template(llm):

@@ -41,22 +41,32 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
-    def generate(self, prompts: Prompts, params: Params = None) -> list[RequestOutput]:
+    def generate(self, prompts: Prompts, params: Params = None, *, sampling_params: Params = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. Prompts are strings (tokenized with the model's
-        special tokens) or lists of token ids."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        special tokens), lists of token ids, or vLLM-style dicts {"prompt": ...} /
+        {"prompt_token_ids": [...]}. `sampling_params=` is accepted as vLLM spells it."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        tok = self.llm_engine.tokenizer
-        ids = [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        return self._run(ids, params)
+        return self._run([self._ids_of(p) for p in prompts], sampling_params if params is None else params)
 
-    def chat(self, messages: Union[list[dict], list[list[dict]]], params: Params = None) -> list[RequestOutput]:
+    def _ids_of(self, p) -> list[int]:
+        if isinstance(p, dict):
+            if "prompt_token_ids" in p:
+                return list(p["prompt_token_ids"])
+            if "prompt" in p:
+                return self.llm_engine.tokenizer.encode(p["prompt"])
+            raise ValueError("prompts: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        return self.llm_engine.tokenizer.encode(p) if isinstance(p, str) else list(p)
+
+    def chat(self, messages: Union[list[dict], list[list[dict]]], params: Params = None, *,
+             sampling_params: Params = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Applies the model's chat template (with the generation prompt) to each conversation."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.llm_engine.tokenizer
         ids = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True), add_special_tokens=False)
                for c in convs]
-        return self._run(ids, params)
+        return self._run(ids, sampling_params if params is None else params)
 
     def _run(self, ids: list[list[int]], params: Params) -> list[RequestOutput]:
         if params is None:
