@@ -50,10 +50,8 @@ from kvmesh.kv.pool import KVCache  # noqa: E402
 H, KVH, D, BS = 32, 8, 128, 16
 DECODE_CASES = [(64, 4096), (16, 16384), (256, 1024), (8, 32768)]
 KV_DTYPES = ["fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
-SWEEP = [dict(block_n=64, num_warps=2), dict(block_n=64, num_warps=8), dict(block_n=64, num_stages=1),
-         dict(block_n=64, num_stages=2), dict(block_n=64, num_stages=4), dict(block_n=32),
-         dict(block_n=128), dict(block_n=128, num_warps=8), dict(block_n=64, native_cvt=True),
-         dict(splits=1, block_n=64), dict(splits=4, block_n=64), dict(splits=8, block_n=64)]
+SWEEP = [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (16, 32, 64) for w in (2, 4)
+         for st in (1, 2, 3, 4)] + [dict(block_n=64, native_cvt=True), dict(block_n=128, num_warps=8)]
 
 
 def log(*a) -> None:
@@ -127,7 +125,6 @@ def bench_decode(batch: int, ctx: int, reps: int, read_tbs: float, rows: list, s
     rows.append((f"{batch}x{ctx}", "sdpa fp16 contiguous", t_sdpa, sdpa_bytes / t_sdpa / 1e9,
                  sdpa_bytes / t_sdpa / 1e9 / read_tbs, 1.0, 1.0))
     log(f"  sdpa {batch}x{ctx}: {t_sdpa:.3f} ms")
-    ref = F.scaled_dot_product_attention(qs, kc, vc, enable_gqa=True)[:, :, 0]  # [B, H, D]
     del kc, vc
     for kv in KV_DTYPES:
         try:
@@ -144,11 +141,7 @@ def bench_decode(batch: int, ctx: int, reps: int, read_tbs: float, rows: list, s
             ideal = 16 / (8 * cache.layout.bytes_per_token / (2 * KVH * D))  # 16 / stored bits per element
             rows.append((f"{batch}x{ctx}", f"paged {kv} (splits {splits})", t, nbytes / t / 1e9,
                          nbytes / t / 1e9 / read_tbs, t_sdpa / t, ideal))
-            # sanity: the paged result over ctx + 1 keys stays near SDPA over ctx keys for fp16
-            out = decode_attention(cache, 0, q, kn, vn, meta, scale).float()
-            drift = ((out - ref.float()).norm() / ref.float().norm()).item()
-            log(f"  {kv:9s} {batch}x{ctx}: {t:.3f} ms  {t_sdpa / t:.2f}x sdpa  (ideal {ideal:.2f}x, "
-                f"splits {splits}, rel diff vs sdpa {drift:.1e})")
+            log(f"  {kv:9s} {batch}x{ctx}: {t:.3f} ms  {t_sdpa / t:.2f}x sdpa  (ideal {ideal:.2f}x, splits {splits})")
             if kv in sweep:
                 for cfg in SWEEP:
                     if cfg.get("native_cvt") and kv in ("fp16", "bf16", "int4"):
@@ -218,12 +211,11 @@ def bench_prefill(reps: int, rows: list, dtypes: list[str]) -> None:
     log(f"  sdpa prefill: {t_sdpa:.3f} ms ({flops / t_sdpa / 1e9:.0f} TFLOP/s)")
     n_pages = B * prefix // BS
     perm = torch.randperm(n_pages, device="cuda", generator=g)
+    pp, pn = prefix // BS, new // BS
     for kv in dtypes:
         try:
-            cache = filled_cache(kv, kp, vp, n_pages, perm)
-            pp = prefix // BS
-            seqs = [SeqSlice(prefix, new, perm[b * pp:(b + 1) * pp].tolist() + [-1] * (new // BS), 0)
-                    for b in range(B)]
+            cache = filled_cache(kv, kp, vp, n_pages, perm)  # the new tokens' blocks are never read
+            seqs = [SeqSlice(prefix, new, perm[b * pp:(b + 1) * pp].tolist() + [0] * pn, 0) for b in range(B)]
             meta = build_attention_metadata(seqs, cache.layout, 1, "cuda")
             dt = model_dtype_for(kv)
             qd, kd, vd = q.to(dt), k.to(dt), v.to(dt)
@@ -251,7 +243,7 @@ def table(rows: list, read_tbs: float, copy_tbs: float) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one decode case, fewer repetitions")
-    ap.add_argument("--sweep", action="store_true", help="also time splits x block_n per decode case")
+    ap.add_argument("--sweep", action="store_true", help="also time block_n x warps x stages (first decode case)")
     ap.add_argument("--cases", type=str, default=None, help="decode case indices, e.g. 0,3 (default all)")
     ap.add_argument("--sweep-dtypes", type=str, default="fp16,fp8_e4m3,int8,int4", help="dtypes for --sweep")
     ap.add_argument("--skip", type=str, default="", help="comma list of parts to skip: decode,write,prefill")
@@ -272,10 +264,10 @@ def main() -> None:
     if args.cases:
         cases = [DECODE_CASES[int(i)] for i in args.cases.split(",")]
     sweep = args.sweep_dtypes.split(",") if args.sweep else []
-    for batch, ctx in [] if "decode" in skip else cases:
+    for i, (batch, ctx) in enumerate([] if "decode" in skip else cases):
         log(f"decode {batch}x{ctx} ({time.time() - t0:.0f} s)")
         try:
-            bench_decode(batch, ctx, reps, read_tbs, rows, sweep)
+            bench_decode(batch, ctx, reps, read_tbs, rows, sweep if i == 0 else [])
         except Exception:
             log(f"decode {batch}x{ctx} FAILED:\n{traceback.format_exc()}")
         torch.cuda.empty_cache()

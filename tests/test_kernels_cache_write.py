@@ -2,7 +2,9 @@
 
 Pages must match byte for byte, data and scales, for every dtype, on the CPU (interpreter) and the GPU:
 the kernel encodes fp8 with integer ops (round half-to-even), so the interpreter's faulty fp8 casts
-(environment.md) play no part.
+(environment.md) play no part. The reference always runs on the CPU: on CUDA, torch turns
+`tensor / python_float` (quant.py's `absmax / FMAX`) into a multiply by the reciprocal, which moves
+some fp8 scales by one ulp (measured on the H200), while layout.py specifies a true division.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from kvmesh.kernels.torch_ref import TorchBackend
 from kvmesh.kernels.triton_backend import TritonBackend
 from kvmesh.kv.layout import BlockLayout
 from kvmesh.kv.pool import KVCache
-from kvmesh.kv.quant import quantize_blocks, store_blocks
+from kvmesh.kv.quant import QuantizedBlocks, quantize_blocks, store_blocks
 
 DTYPES = ["fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
 ON_GPU = torch.cuda.is_available()
@@ -30,6 +32,14 @@ def pair_of_caches(kv: str, head_dim: int, bs: int, n_pages: int, model_dtype: t
     b = KVCache(layout, n_pages, 3, model_dtype, device)
     b.residual.copy_(a.residual)
     return a, b
+
+
+def cpu_quantized(k: torch.Tensor, v: torch.Tensor, kv: str) -> QuantizedBlocks:
+    """`quantize_blocks` computed on the CPU (true division, as layout.py says), moved back."""
+    qb = quantize_blocks(k.cpu(), v.cpu(), kv)
+    dev = k.device
+    return QuantizedBlocks(qb.k.to(dev), qb.v.to(dev), None if qb.k_scale is None else qb.k_scale.to(dev),
+                           None if qb.v_scale is None else qb.v_scale.to(dev))
 
 
 def assert_pages_match(kv: str, got: KVCache, want: KVCache) -> None:
@@ -53,7 +63,7 @@ def test_write_blocks_matches_quant(kv, head_dim, bs):
     S_k = torch.cat([got.residual[:, 1, 0].transpose(1, 2).reshape(R, 2, head_dim), k])  # rows of S
     S_v = torch.cat([got.residual[:, 1, 1].transpose(1, 2).reshape(R, 2, head_dim), v])
     keep = ids >= 0
-    store_blocks(want.layer_view(1), ids[keep], quantize_blocks(S_k[rows[keep]], S_v[rows[keep]], kv))
+    store_blocks(want.layer_view(1), ids[keep], cpu_quantized(S_k[rows[keep]], S_v[rows[keep]], kv))
     assert_pages_match(kv, got, want)
     assert (got.pool[[0, 1, 3, 4, 5, 6, 8]] == 0).all()  # nothing else written (incl. the -1 block)
 
@@ -72,7 +82,11 @@ def test_backend_write_matches_torch_backend(kv):
     k = torch.randn(T, 2, 64, generator=g).to(dev, torch.float16)
     v = torch.randn(T, 2, 64, generator=g).to(dev, torch.float16)
     TritonBackend().write(got, 2, k, v, meta)
-    TorchBackend().write(want, 2, k, v, meta)
+    want.pool, want.residual = want.pool.cpu(), want.residual.cpu()  # reference on the CPU (see top)
+    meta_cpu = build_attention_metadata(seqs, got.layout, got.num_residual_slots, "cpu")
+    meta_cpu.write = pad_write_plan(meta_cpu.write, 7)
+    TorchBackend().write(want, 2, k.cpu(), v.cpu(), meta_cpu)
+    got.pool, got.residual = got.pool.cpu(), got.residual.cpu()
     assert torch.equal(got.residual, want.residual)
     assert_pages_match(kv, got, want)
 
@@ -99,8 +113,8 @@ def test_gpu_write_large_pool_exact(kv):
     rows = torch.arange(256 * 16, device="cuda").view(256, 16) + 16
     ids = torch.arange(n_pages - 256, n_pages, device="cuda")
     write_blocks(got, 0, k, v, rows, ids)
-    ref = KVCache(layout, 256, 1, dt, "cuda")
-    store_blocks(ref.layer_view(0), torch.arange(256, device="cuda"),
-                 quantize_blocks(k.view(256, 16, 8, 128), v.view(256, 16, 8, 128), kv))
-    assert torch.equal(got.pool[-256:], ref.pool)
+    ref = KVCache(layout, 256, 1, dt, "cpu")  # reference pages built entirely on the CPU (see top)
+    store_blocks(ref.layer_view(0), torch.arange(256),
+                 quantize_blocks(k.view(256, 16, 8, 128).cpu(), v.view(256, 16, 8, 128).cpu(), kv))
+    assert torch.equal(got.pool[-256:].cpu(), ref.pool)
     assert (got.pool[:-256] == 0).all()
