@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check for the Triton kernels, run from the repository root on the H200:
 #   bash benchmarks/gpu_check.sh [--quick]       logs go to $OUT (default ./gpu_check_out)
-# 1. the GPU-marked kernel tests (correctness at real shapes, pools past 65,536 pages),
+# 1. the GPU-marked kernel tests (correctness at real shapes, pools past 65,536 pages) and the
+#    tiny-model greedy generation test (Triton vs torch backend),
 # 2. benchmarks/kernels.py (decode per KV dtype vs SDPA, cache write, prefill/extend).
 # Works without the editable install: `kvmesh` is mapped to shared/ through a symlink on PYTHONPATH.
 # tests/conftest.py needs pytest-asyncio (absent there), so pytest runs with --noconftest.
@@ -23,6 +24,10 @@ echo "== GPU kernel tests" | tee "$OUT/tests.log"
 timeout 300 $PY -m pytest --noconftest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_kernels_attention.py tests/test_kernels_cache_write.py 2>&1 | tee -a "$OUT/tests.log"
 echo "tests exit: $?" | tee -a "$OUT/tests.log"
+echo "== tiny-model greedy generation, Triton vs torch backend" | tee -a "$OUT/tests.log"
+timeout 120 $PY -m pytest --noconftest -p no:cacheprovider -q -o addopts="" \
+  tests/test_kernels_model.py 2>&1 | tee -a "$OUT/tests.log"
+echo "model test exit: $?" | tee -a "$OUT/tests.log"
 
 echo "== benchmark" | tee "$OUT/bench.log"
 timeout 480 $PY benchmarks/kernels.py --out "$OUT/bench_table.md" "$@" 2>&1 | tee -a "$OUT/bench.log"
