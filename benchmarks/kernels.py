@@ -50,8 +50,8 @@ from kvmesh.kv.pool import KVCache  # noqa: E402
 H, KVH, D, BS = 32, 8, 128, 16
 DECODE_CASES = [(64, 4096), (16, 16384), (256, 1024), (8, 32768)]
 KV_DTYPES = ["fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
-SWEEP = [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (16, 32, 64) for w in (2, 4)
-         for st in (1, 2, 3, 4)] + [dict(block_n=64, native_cvt=True), dict(block_n=128, num_warps=8)]
+SWEEP = [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (32, 64) for w in (2, 4) for st in (1, 2, 3)
+         ] + [dict(block_n=64, native_cvt=True), dict(block_n=128, num_warps=8)]
 
 
 def log(*a) -> None:
