@@ -51,7 +51,8 @@ H, KVH, D, BS = 32, 8, 128, 16
 DECODE_CASES = [(64, 4096), (16, 16384), (256, 1024), (8, 32768)]
 KV_DTYPES = ["fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
 SWEEP = [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (32, 64) for w in (2, 4) for st in (1, 2, 3)
-         ] + [dict(block_n=64, native_cvt=True), dict(block_n=128, num_warps=8)]
+         ] + [dict(block_n=64, native_cvt=True), dict(block_n=128, num_warps=8),
+              dict(block_n=64, maxnreg=96), dict(block_n=64, maxnreg=80), dict(block_n=32, maxnreg=64)]
 
 
 def log(*a) -> None:
@@ -147,8 +148,11 @@ def bench_decode(batch: int, ctx: int, reps: int, read_tbs: float, rows: list, s
                     if cfg.get("native_cvt") and kv in ("fp16", "bf16", "int4"):
                         continue
                     cfg = {"splits": splits, **cfg}
-                    ts = time_ms(lambda: decode_attention(cache, 0, q, kn, vn, meta, scale, **cfg), reps)
-                    log(f"    sweep {kv} {cfg}: {ts:.3f} ms ({t_sdpa / ts:.2f}x)")
+                    try:
+                        ts = time_ms(lambda: decode_attention(cache, 0, q, kn, vn, meta, scale, **cfg), reps)
+                        log(f"    sweep {kv} {cfg}: {ts:.3f} ms ({t_sdpa / ts:.2f}x)")
+                    except Exception as e:  # one config costs one line
+                        log(f"    sweep {kv} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}")
             del cache
         except Exception:  # one failed dtype costs one row
             log(f"  {kv} {batch}x{ctx} FAILED:\n{traceback.format_exc()}")

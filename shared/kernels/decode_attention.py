@@ -37,10 +37,11 @@ def _num_sms(device: torch.device) -> int:
 def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      meta: AttentionMetadata, scale: float, *, splits: int | None = None,
                      block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                     native_cvt: bool = False) -> torch.Tensor:
+                     native_cvt: bool = False, maxnreg: int | None = None) -> torch.Tensor:
     """out [B, H, D] for q [B, H, D] (one new token per sequence, k/v [B, KVH, D] its new K/V).
     `splits`/`block_n`/`num_warps`/`num_stages` override the defaults (benchmarks, tests);
-    `native_cvt` converts fp8/int8 with the hardware instructions instead of bit operations."""
+    `native_cvt` converts fp8/int8 with the hardware instructions instead of bit operations;
+    `maxnreg` caps registers per thread (ncu: 144 registers limit the kernel to 3 CTAs per SM)."""
     if meta.max_query_len != 1 or q.shape[0] != meta.num_seqs:
         raise ValueError(f"decode needs one new token per sequence: max_query_len={meta.max_query_len}, "
                          f"T={q.shape[0]}, B={meta.num_seqs}")
@@ -51,4 +52,4 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
         block_n = max(64, L.block_size)
     return launch_paged_attention(cache, layer, q, k, v, meta, scale, block_m=16, block_n=block_n,
                                   splits=splits, num_warps=num_warps, num_stages=num_stages,
-                                  max_query_len=1, native_cvt=native_cvt)
+                                  max_query_len=1, native_cvt=native_cvt, maxnreg=maxnreg)

@@ -317,7 +317,8 @@ def _check(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torc
 def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor,
                            v: torch.Tensor, meta: AttentionMetadata, scale: float, *,
                            block_m: int, block_n: int, splits: int, num_warps: int,
-                           num_stages: int, max_query_len: int, native_cvt: bool = False) -> torch.Tensor:
+                           num_stages: int, max_query_len: int, native_cvt: bool = False,
+                           maxnreg: int | None = None) -> torch.Tensor:
     """Runs the kernel (and the split reduction) over every sequence; returns out [T, H, D]."""
     _check(cache, layer, q, k, v, meta)
     L = cache.layout
@@ -336,6 +337,7 @@ def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch
     else:
         part_out = part_lse = out  # unused
     res = cache.residual
+    extra = {} if maxnreg is None else {"maxnreg": maxnreg}  # register cap: more CTAs per SM
     paged_attention_kernel[(n_tiles, B, L.kv_heads * splits)](
         q_ptr=q, k_ptr=k, v_ptr=v, out_ptr=out, part_out_ptr=part_out, part_lse_ptr=part_lse,
         pool_ptr=cache.pool, res_ptr=res,
@@ -350,6 +352,7 @@ def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch
         FMT=fmt, HAS_SCALE=fmt in (FMT_E4M3, FMT_E5M2, FMT_INT8), KVH=L.kv_heads, G=G,
         BS=L.block_size, D=D, BLOCK_M=block_m, TOK_PER_TILE=tok_per_tile, BLOCK_N=block_n,
         SPLITS=splits, DOT=_dot_dtype(fmt, q), NATIVE=native_cvt, num_warps=num_warps, num_stages=num_stages,
+        **extra,
     )
     if splits > 1:
         reduce_splits_kernel[(T, H)](
