@@ -1,6 +1,6 @@
 """CPU decode throughput: kvmesh's engine vs transformers' `generate`, side by side in one run.
 
-Same model weights (the converted SmolLM2 cache), fp32, greedy, the same random prompts of one
+Same model weights (the converted SmolLM2 cache), same --dtype (fp32), greedy, the same random prompts of one
 length, the same number of new tokens (EOS ignored on both sides), batch 1, 8 and 32; best of
 --repeats alternating runs per side, so that load on a shared machine hits both alike.
 
@@ -14,7 +14,7 @@ import time
 import torch
 
 
-def _hf_model(model: str):
+def _hf_model(model: str, dtype: torch.dtype):
     import transformers
 
     from kvmesh.model.config import resolve_model_path
@@ -24,7 +24,7 @@ def _hf_model(model: str):
     if path.is_file():
         load_model(model, torch.float32, "cpu")  # makes sure the converted HF directory exists
         path = gguf_cache_dir(model)
-    return transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
 def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="weights, both sides")
     ap.add_argument("--repeats", type=int, default=2,
                     help="alternating runs per batch size; the best of each side counts (shared machines)")
     args = ap.parse_args()
@@ -70,10 +71,10 @@ def main() -> None:
     from kvmesh import LLM
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    llm = LLM(args.model, dtype="fp32", device="cpu", kv_cache_dtype=args.kv_cache_dtype,
+    llm = LLM(args.model, dtype=args.dtype, device="cpu", kv_cache_dtype=args.kv_cache_dtype,
               max_num_seqs=max(batches), max_num_batched_tokens=max(2048, max(batches) * args.prompt_len),
               enable_prefix_caching=False)
-    hf = _hf_model(args.model)
+    hf = _hf_model(args.model, {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype])
     vocab = llm.llm_engine.model_config.vocab_size
     warm = _prompts(2, args.prompt_len, vocab, seed=99)
     _run_kvmesh(llm, warm, 4)
@@ -87,7 +88,7 @@ def main() -> None:
             th = min(th, _run_hf(hf, prompts, args.new_tokens))
         n = b * args.new_tokens
         rows.append((b, n / tk, n / th, th / tk))
-    print(f"\nSmolLM2 CPU throughput ({args.model}, fp32 weights, kv {args.kv_cache_dtype}, prompt "
+    print(f"\nSmolLM2 CPU throughput ({args.model}, {args.dtype} weights, kv {args.kv_cache_dtype}, prompt "
           f"{args.prompt_len}, new {args.new_tokens}, greedy, threads {torch.get_num_threads()})")
     print("| batch | kvmesh tok/s | transformers tok/s | ratio |")
     print("|------:|-------------:|-------------------:|------:|")
