@@ -145,3 +145,37 @@ def test_max_model_len_ends_with_length(model_dir):
     eng.add_request("a", [5] * 30, SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))
     out = drain(eng)["a"].outputs[0]
     assert len(out.token_ids) == 10 and out.finish_reason == "length"
+
+
+def test_mixed_requests_under_preemption_match_an_unconstrained_run(model_dir):
+    """n > 1 (forked), seeded sampling, stop strings, logprobs and prompt_logprobs, all preempted
+    and recomputed: every completion equals the unconstrained run's; integrity holds every step."""
+    prompts = random_prompts(16, 5, 50, seed=11)
+
+    def params(i: int) -> SamplingParams:
+        return [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+                SamplingParams(n=3, temperature=0.0, max_tokens=25, ignore_eos=True),
+                SamplingParams(n=2, temperature=0.9, seed=i, max_tokens=20, ignore_eos=True),
+                SamplingParams(temperature=0.0, max_tokens=30, stop=["a"], prompt_logprobs=1,
+                               logprobs=2)][i % 4]
+
+    def go(blocks: int):
+        eng = make(model_dir, blocks=blocks, max_num_seqs=16, max_num_batched_tokens=64)
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", p, params(i))
+        final = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    final[o.request_id] = o
+            eng.kv.check_integrity()
+        return final, eng.stats()
+
+    ref, s0 = go(1024)
+    got, s1 = go(14)
+    assert s0.num_preemptions == 0 and s1.num_preemptions > 0 and s1.kv_cache_usage == 0.0
+    for rid, r in ref.items():
+        assert [c.token_ids for c in got[rid].outputs] == [c.token_ids for c in r.outputs], rid
+        assert [c.text for c in got[rid].outputs] == [c.text for c in r.outputs], rid
+        if r.prompt_logprobs is not None:
+            assert [p.token_id for p in got[rid].prompt_logprobs[1:]] == [p.token_id for p in r.prompt_logprobs[1:]]
