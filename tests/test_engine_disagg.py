@@ -104,3 +104,26 @@ def test_resume_validates_its_state(model_dir):
     with pytest.raises(ValueError, match="blocks\\[\\].data"):
         from kvmesh.engine.outputs import ExportedBlock
         b.import_blocks([ExportedBlock(b"h" * 32, prompt[:16], b"short")])
+
+
+def test_seeded_sample_through_a_prefill_hop_equals_one_engine(model_dir):
+    """The prefill engine draws the first token; the resumed sequence must draw the rest as one
+    engine would (no re-seeded generator repeating the first draw)."""
+    prompt = random_prompts(1, 37, 37, seed=11)[0]
+    seeded = SamplingParams(temperature=1.0, top_k=50, seed=1234, max_tokens=NEW, ignore_eos=True)
+    one = make(model_dir, "auto")
+    one.add_request("x", prompt, seeded)
+    ref = finish(one)["x"].outputs[0].token_ids
+
+    a = make(model_dir, "auto")
+    a.add_request("p", prompt, SamplingParams(temperature=1.0, top_k=50, seed=1234, max_tokens=1,
+                                              ignore_eos=True), export_kv=True)
+    pre = finish(a)["p"]
+    first, exp = pre.outputs[0].token_ids, pre.kv_export
+    assert first == ref[:1]
+    b = make(model_dir, "auto")
+    b.import_blocks(exp.blocks)
+    b.add_request("x", prompt, seeded, resume=ResumeState(first, exp.tail_tokens, exp.tail, None))
+    got = finish(b)["x"].outputs[0].token_ids
+    assert got == ref
+    assert len(set(ref)) > 3  # really sampled, not a degenerate repeat

@@ -58,10 +58,23 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent():
 
     def draw(seed):
         g = torch.Generator().manual_seed(seed)
-        return [s(logits, [_row(temperature=1.0, generator=g)]).token_ids[0] for _ in range(30)]
+        return [s(logits, [_row(temperature=1.0, generator=g, out=[0] * i)]).token_ids[0] for i in range(30)]
 
     assert draw(7) == draw(7)
     assert draw(7) != draw(8)
+    assert len(set(draw(7))) > 1  # each position draws afresh
+
+
+def test_seeded_draw_depends_only_on_seed_and_position():
+    """No state carried between draws: position i's token is the same whether or not positions
+    0..i-1 were drawn by this generator (a resumed or recomputed sequence draws what one engine would)."""
+    torch.manual_seed(6)
+    logits = torch.randn(1, V)
+    s = Sampler(0, torch.device("cpu"))
+    g = torch.Generator().manual_seed(11)
+    seq = [s(logits, [_row(temperature=1.0, generator=g, out=[0] * i)]).token_ids[0] for i in range(20)]
+    fresh = torch.Generator().manual_seed(11)
+    assert s(logits, [_row(temperature=1.0, generator=fresh, out=[0] * 13)]).token_ids[0] == seq[13]
 
 
 def test_top_k_top_p_min_p_restrict_the_support():
@@ -70,16 +83,16 @@ def test_top_k_top_p_min_p_restrict_the_support():
     s = Sampler(0, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     top5 = set(logits[0].topk(5).indices.tolist())
-    seen = {s(logits, [_row(temperature=1.0, top_k=5, generator=g)]).token_ids[0] for _ in range(200)}
+    seen = {s(logits, [_row(temperature=1.0, top_k=5, generator=g, out=[0] * i)]).token_ids[0] for i in range(200)}
     assert seen <= top5 and len(seen) > 1
     probs = torch.softmax(logits[0], -1)
     sp, idx = probs.sort(descending=True)
     keep = int((sp.cumsum(0) < 0.5).sum()) + 1  # smallest prefix reaching 0.5
     allowed = set(idx[:keep].tolist())
-    seen = {s(logits, [_row(temperature=1.0, top_p=0.5, generator=g)]).token_ids[0] for _ in range(200)}
+    seen = {s(logits, [_row(temperature=1.0, top_p=0.5, generator=g, out=[0] * i)]).token_ids[0] for i in range(200)}
     assert seen <= allowed
     allowed = set(torch.nonzero(probs >= 0.3 * probs.max()).flatten().tolist())
-    seen = {s(logits, [_row(temperature=1.0, min_p=0.3, generator=g)]).token_ids[0] for _ in range(200)}
+    seen = {s(logits, [_row(temperature=1.0, min_p=0.3, generator=g, out=[0] * i)]).token_ids[0] for i in range(200)}
     assert seen <= allowed
 
 

@@ -85,6 +85,18 @@ def _top_logprobs(lp: torch.Tensor, chosen: torch.Tensor, k: int) -> list[TokenL
     return out
 
 
+_POS_MIX = 0xBF58476D1CE4E5B9  # spreads a sequence's per-position seeds apart
+
+
+def draw_generator(seq_generator: torch.Generator, position: int) -> torch.Generator:
+    """A fresh generator for the draw of output token `position`, a pure function of the sequence's
+    seed and the position: a sequence resumed in another engine (or recomputed after preemption)
+    draws exactly what one engine would, with no generator state to carry across."""
+    g = torch.Generator(device=seq_generator.device)
+    g.manual_seed((seq_generator.initial_seed() + (position + 1) * _POS_MIX) % (1 << 63))
+    return g
+
+
 class Sampler:
     """Holds the default generator for rows without their own seed."""
 
@@ -117,7 +129,10 @@ class Sampler:
             if r.params.temperature == 0.0:
                 continue
             probs = _filter(logits[i], r.params)
-            gen = r.generator if r.generator is not None else self.generator
+            if r.generator is not None:
+                gen = draw_generator(r.generator, len(r.output_token_ids))
+            else:
+                gen = self.generator
             chosen[i] = torch.multinomial(probs, 1, generator=gen)[0]
 
         lps: list[Optional[TokenLogprob]] = [None] * N
