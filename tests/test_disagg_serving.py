@@ -173,6 +173,18 @@ async def test_disaggregated_output_equals_single_process(stack: Stack):
     assert present == [True, True]
 
 
+@pytest.mark.parametrize("stack", ["auto"], indirect=True)
+async def test_seeded_sample_through_prefill_hop_equals_single_process(stack: Stack):
+    """The prefill worker draws the first token, the decode worker the rest: with a seed the whole
+    answer equals kvmesh.LLM's."""
+    prompt = _prompt(BS + 7)
+    params = SamplingParams(temperature=1.0, top_k=40, seed=4321, max_tokens=12, ignore_eos=True)
+    ref = (await asyncio.to_thread(stack.reference.generate, [prompt], params))[0].outputs[0]
+    tokens, text, _, _ = await _disagg(stack, prompt, params)
+    assert tokens == ref.token_ids
+    assert text == ref.text
+
+
 @pytest.mark.parametrize("stack", ["auto"], indirect=True)  # a second decode engine costs a model load
 async def test_second_turn_hits_blocks_of_first_turns_decode_worker(stack: Stack):
     p1 = _prompt(40)
