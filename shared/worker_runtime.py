@@ -49,6 +49,7 @@ class WorkerRuntime:
         self._background: set[asyncio.Task] = set()
         self.max_pending = cfg.max_pending_requests
         self.pending = 0
+        self._stopped = asyncio.Event()
 
     @property
     def address(self) -> str:
@@ -72,7 +73,10 @@ class WorkerRuntime:
         log.info("%s worker serving on %s (holder %s)", self.role, self.port, self.holder)
 
     async def wait(self) -> None:
-        await self.server.wait_for_termination()
+        """Until stop() has finished. An Event, not grpc.aio's wait_for_termination(): cancelling
+        that (SIGTERM cancels serve()) leaves the server so that the later stop() raises
+        CancelledError, skipping the index and engine teardown."""
+        await self._stopped.wait()
 
     async def stop(self, grace: float = 2.0) -> None:
         """Stop accepting calls, let running ones finish for `grace` seconds, then tear down."""
@@ -89,6 +93,7 @@ class WorkerRuntime:
         if self._metrics_server is not None:
             await self._metrics_server.close()
         await self.engine.stop()
+        self._stopped.set()
 
     async def _set_status(self, status: int) -> None:
         await self.health.set("", status)

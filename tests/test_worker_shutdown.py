@@ -1,0 +1,91 @@
+"""Worker shutdown: cancelling serve() (what SIGTERM does through kvmesh.cli) runs the whole teardown:
+the holder leaves the prefix index, the engine thread ends, the index client closes."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import grpc
+import pytest
+import torch
+from aiohttp import web
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvmesh.config import CacheConfig, EngineConfig
+from kvmesh.decode import server as decode_server
+from kvmesh.decode.config import DecodeConfig
+from kvmesh.index import MemoryIndex
+from kvmesh.prefill import server as prefill_server
+from kvmesh.prefill.config import PrefillConfig
+from kvmesh.remote_index import make_index_app
+from test_engine_models import make_tiny_model
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    make_tiny_model(d, "llama", seed=5)
+    return str(d)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _engine_threads() -> int:
+    return sum(t.name == "kvmesh-engine" and t.is_alive() for t in threading.enumerate())
+
+
+async def _until_serving(port: int, timeout: float = 60.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            try:
+                r = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if loop.time() > end:
+                raise TimeoutError(f"worker on {port} never became SERVING")
+            await asyncio.sleep(0.1)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+async def test_cancelled_serve_drops_holder_and_stops_engine(model_dir, role):
+    index = MemoryIndex()  # behind a real `kvmesh index` HTTP app: serve() builds its own client
+    runner = web.AppRunner(make_index_app(index), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    index_port = runner.addresses[0][1]
+    port = _free_port()
+    holder = f"127.0.0.1:{port}"
+    cfg_cls, serve = {"prefill": (PrefillConfig, prefill_server.serve),
+                      "decode": (DecodeConfig, decode_server.serve)}[role]
+    cfg = cfg_cls(engine=EngineConfig(model=model_dir, device="cpu", cache=CacheConfig(kv_cache_memory=1 << 20)),
+                  kvstore=("127.0.0.1:1",), port=port, redis_url=f"http://127.0.0.1:{index_port}",
+                  publish_interval=0.01)
+    before = _engine_threads()
+    task = asyncio.create_task(serve(cfg))
+    try:
+        await _until_serving(port)
+        assert _engine_threads() == before + 1
+        h = bytes(range(32))
+        await index.publish(holder, [h], [])  # as if the worker had published a cached block
+        assert await index.lookup([h]) == [frozenset({holder})]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await index.lookup([h]) == [frozenset()]
+        assert _engine_threads() == before
+    finally:
+        task.cancel()
+        await runner.cleanup()
