@@ -168,3 +168,36 @@ def test_gathered_layer_equals_strided_view():
     for a, b in ((strided.k, gathered.k), (strided.v, gathered.v),
                  (strided.k_scale, gathered.k_scale), (strided.v_scale, gathered.v_scale)):
         assert torch.equal(a[ids].view(torch.uint8), b.contiguous().view(torch.uint8))  # bits: random bytes hold NaNs
+
+
+def _true_div_scales(x, name):
+    """Reference scales by true float32 division in numpy, as layout.py specifies (x: [n, bs, H, D])."""
+    a = heads_major(x).double().numpy().astype("float32")  # [n, H, bs, D]
+    f32 = a.dtype.type
+    if name.startswith("fp8"):
+        fmax = f32({"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}[name])
+        s = abs(a).max(axis=(2, 3)).clip(min=f32(1e-6)) / fmax
+    elif name == "int8":
+        s = abs(a).max(axis=3).clip(min=f32(1e-6)) / f32(127.0)
+    else:  # int4 keys: per channel over the block's tokens
+        s = ((a.max(axis=2) - a.min(axis=2)) / f32(15.0)).clip(min=f32(1e-6))
+    return torch.from_numpy(s.astype("float32"))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "int8", "int4"])
+def test_scales_are_true_divisions_on_every_device(name, device):
+    """A Python-float divisor makes CUDA multiply by the reciprocal (different last bits, different
+    pages than the CPU and the Triton kernels); scales must be exact true divisions everywhere."""
+    k, v = fresh()
+    qb = quantize_blocks(k.to(device), v.to(device), name)
+    ref = _true_div_scales(k, name)
+    got = qb.k_scale.float().cpu()
+    if name == "int4":
+        got = got[:, :, 0, :]  # [n, H, 2, D]: scale row, then offset row
+    sd = qb.k_scale.dtype
+    assert torch.equal(got, ref.to(sd).float().clamp(min=2.0 ** -24) if sd == torch.float16 else ref.to(sd).float())
+    if device == "cuda":  # and the whole page equals the CPU's, bit for bit
+        cpu = quantize_blocks(k, v, name)
+        for a, b in ((qb.k, cpu.k), (qb.v, cpu.v), (qb.k_scale, cpu.k_scale), (qb.v_scale, cpu.v_scale)):
+            assert torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8))

@@ -59,6 +59,13 @@ def _unpack_int4(p: torch.Tensor) -> torch.Tensor:
     return torch.stack((p & 0xF, p >> 4), dim=-1).flatten(-2).float()  # interleave on bytes, cast once
 
 
+def _divisor(value: float, like: torch.Tensor) -> torch.Tensor:
+    """A 0-dim tensor on `like`'s device. Dividing by a Python float (or a CPU scalar) makes CUDA
+    multiply by its reciprocal, which rounds differently from layout.py's true division (and from
+    the CPU and the Triton kernels); a device tensor divisor keeps the division true everywhere."""
+    return torch.tensor(value, dtype=torch.float32, device=like.device)
+
+
 def _quantize_one(x: torch.Tensor, name: str, is_key: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x: float32 [n, KVH, bs, D] -> (data, scale) in the stored dtypes."""
     n, H, bs, D = x.shape
@@ -66,24 +73,25 @@ def _quantize_one(x: torch.Tensor, name: str, is_key: bool) -> tuple[torch.Tenso
         return x.to(STORAGE_DTYPES[name]), None
     if name in FP8_MAX:
         fmax = FP8_MAX[name]
-        s = _round_scale(x.abs().amax(dim=(2, 3)).clamp(min=SCALE_FLOOR) / fmax, name)  # [n, H]
+        s = _round_scale(x.abs().amax(dim=(2, 3)).clamp(min=SCALE_FLOOR) / _divisor(fmax, x), name)  # [n, H]
         q = (x / s[:, :, None, None]).clamp(-fmax, fmax).to(STORAGE_DTYPES[name])
         return q, s.to(SCALE_DTYPES[name])
     if name == "int8":
-        s = _round_scale(x.abs().amax(dim=3).clamp(min=SCALE_FLOOR) / INT8_MAX, name)  # [n, H, bs]
+        qmax = _divisor(INT8_MAX, x)
+        s = _round_scale(x.abs().amax(dim=3).clamp(min=SCALE_FLOOR) / qmax, name)  # [n, H, bs]
         q = torch.round(x / s[..., None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
         return q, s.to(SCALE_DTYPES[name])
     if name == "int4":
         if is_key:  # per channel over the block's tokens: groups are [n, H, :, d]
             lo, hi = x.amin(dim=2), x.amax(dim=2)  # [n, H, D]
-            s = _round_scale(((hi - lo) / INT4_LEVELS).clamp(min=SCALE_FLOOR), name)
+            s = _round_scale(((hi - lo) / _divisor(INT4_LEVELS, x)).clamp(min=SCALE_FLOOR), name)
             m = _round_scale_signed(lo)
             q = torch.round((x - m[:, :, None, :]) / s[:, :, None, :]).clamp(0, INT4_LEVELS)
             scale = torch.stack((s, m), dim=2)  # [n, H, 2, D]
         else:  # per token, groups of 32 channels
             g = x.view(n, H, bs, D // INT4_GROUP, INT4_GROUP)
             lo, hi = g.amin(dim=4), g.amax(dim=4)  # [n, H, bs, G]
-            s = _round_scale(((hi - lo) / INT4_LEVELS).clamp(min=SCALE_FLOOR), name)
+            s = _round_scale(((hi - lo) / _divisor(INT4_LEVELS, x)).clamp(min=SCALE_FLOOR), name)
             m = _round_scale_signed(lo)
             q = torch.round((g - m[..., None]) / s[..., None]).clamp(0, INT4_LEVELS).view(n, H, bs, D)
             scale = torch.stack((s, m), dim=3)  # [n, H, bs, 2, G]
