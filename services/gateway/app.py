@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from aiohttp import web
+from opentelemetry import trace
 
 from kvmesh.gateway.config import GatewayConfig
 from kvmesh.gateway.dispatcher import Dispatcher
@@ -17,6 +18,7 @@ from kvmesh.gateway.openai_api import ApiError
 from kvmesh.gateway.router import Router
 from kvmesh.gateway.worker_client import WorkerClients
 from kvmesh.hashing import HashContext
+from kvmesh.telemetry import tracing_middleware
 
 log = logging.getLogger("kvmesh.gateway")
 
@@ -105,8 +107,11 @@ async def _health_loop(gw: Gateway) -> None:
 
 def build_app(cfg: GatewayConfig, *, tokenizer: Any = None, index: Any = None,
               model_id: Optional[str] = None, max_model_len: Optional[int] = None,
-              rng: Optional[random.Random] = None, health_checks: bool = True) -> web.Application:
-    """The app; the tokenizer, index and model facts load from `cfg` unless given (tests pass theirs)."""
+              rng: Optional[random.Random] = None, health_checks: bool = True,
+              tracer: Optional[trace.Tracer] = None) -> web.Application:
+    """The app; the tokenizer, index and model facts load from `cfg` unless given (tests pass theirs).
+    tracer: spans of HTTP requests; default the global provider's (`kvmesh gateway --otlp-endpoint`
+    installs one with setup_tracing; without it spans are no-ops)."""
     from kvmesh.gateway import handlers  # handlers import this module for GATEWAY
 
     if tokenizer is None:
@@ -132,7 +137,10 @@ def build_app(cfg: GatewayConfig, *, tokenizer: Any = None, index: Any = None,
     gw = Gateway(cfg=cfg, tokenizer=tokenizer, index=index, model_id=model_id,
                  max_model_len=max_model_len, router=router, clients=clients, metrics=metrics,
                  dispatcher=Dispatcher(router, clients, metrics, timeout_s=cfg.request_timeout_s))
-    app = web.Application(middlewares=[errors_and_auth], client_max_size=64 * 1024 * 1024)
+    tracer = tracer or trace.get_tracer("kvmesh.gateway")
+    # tracing outermost: its span is current while the handler calls workers, and sees the final status
+    app = web.Application(middlewares=[tracing_middleware(tracer), errors_and_auth],
+                          client_max_size=64 * 1024 * 1024)
     app[GATEWAY] = gw
     handlers.add_routes(app)
 

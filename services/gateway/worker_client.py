@@ -2,13 +2,15 @@
 
 One channel per worker address, kept for the gateway's life. `generate` returns the live call so
 the caller can cancel it: cancelling the call is what tells the decode worker to abort and free
-the request's blocks.
+the request's blocks. Every call carries the caller's trace context (`traceparent` metadata), so a
+worker's span joins the gateway's HTTP request span.
 """
 from __future__ import annotations
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvmesh.telemetry import tracing_client_interceptors
 from kvmesh.wire import kvmesh_pb2 as pb
 from kvmesh.wire import kvmesh_pb2_grpc as pb_grpc
 
@@ -22,7 +24,8 @@ CHANNEL_OPTIONS = (("grpc.max_send_message_length", _MAX_MSG),
 class WorkerClient:
     def __init__(self, address: str) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS,
+                                                 interceptors=tracing_client_interceptors())
         self._prefill = pb_grpc.PrefillStub(self.channel)
         self._decode = pb_grpc.DecodeStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
