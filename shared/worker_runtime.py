@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvmesh.telemetry import Metrics, MetricsServer, start_metrics_server
+from kvmesh.wire import kvmesh_pb2 as pb
 from kvmesh.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class WorkerRuntime:
         self.max_pending = cfg.max_pending_requests
         self.pending = 0
         self._stopped = asyncio.Event()
+        self._stats: Optional[Any] = None  # the engine's last EngineStats (publish loop), for Load
 
     @property
     def address(self) -> str:
@@ -120,6 +122,17 @@ class WorkerRuntime:
         finally:
             self.pending -= 1
 
+    # -- load -------------------------------------------------------------------------------------
+    def load_reply(self) -> pb.LoadReply:
+        """The Load RPC's answer: the engine's counters as of the last publish tick (every
+        --publish-interval) and the calls in flight now. Never waits for the engine thread, so a
+        gateway's poll stays cheap however busy the engine is."""
+        s = self._stats
+        if s is None:
+            return pb.LoadReply(pending=self.pending)
+        return pb.LoadReply(running=s.num_running, waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
+                            pending=self.pending)
+
     # -- prefix-cache events --------------------------------------------------------------------
     async def local_blocks(self) -> set[bytes]:
         """Hashes in this worker's local prefix cache, up to date as of now (drains events).
@@ -148,7 +161,8 @@ class WorkerRuntime:
         while True:
             try:
                 await self.publish_events()
-                self.metrics.update_from_engine_stats(await self.engine.run(lambda e: e.stats()))
+                self._stats = await self.engine.run(lambda e: e.stats())
+                self.metrics.update_from_engine_stats(self._stats)
             except asyncio.CancelledError:
                 raise
             except Exception:  # the index is advisory: log and keep serving

@@ -170,3 +170,24 @@ def test_bad_router_setup_names_the_flag():
         Router([P1], [P1], block_size=BS)
     with pytest.raises(ValueError, match="holders"):
         router().route(32, [b"x" * 32, b"y" * 32], [frozenset()])
+
+
+def test_reported_load_of_other_gateways_steers_routing():
+    """Two gateways share D1, D2; the other one keeps D1 busy. This gateway's own in-flight counts are
+    zero for both, so only D1's reported load (Load RPC) sends ours to D2 — every time, not at random."""
+    r = router(prefill=(), decode=(D1, D2), seed=3)
+    p = prompt(40, seed=1)
+    hs = block_hashes(p, HashContext("m", "fp32", BS, ""))
+    none = holders_of(len(hs), {})
+    picks_before = {r.route(len(p), hs, none).decode for _ in range(40)}
+    assert picks_before == {D1, D2}  # equal costs: the random tie-break spreads them
+    r.report_load(D1, 3)
+    assert r.workers[D1].load == 3 and r.workers[D2].load == 0
+    assert {r.route(len(p), hs, none).decode for _ in range(40)} == {D2}
+    # our own in-flight requests count at once; a stale lower report does not hide them
+    for _ in range(5):
+        r.begin(D2)
+    assert r.workers[D2].load == 5
+    assert r.route(len(p), hs, none).decode == D1
+    r.report_load(D1, -1)  # nonsense from a worker is clamped
+    assert r.workers[D1].reported_load == 0

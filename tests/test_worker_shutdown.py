@@ -19,6 +19,8 @@ from kvmesh.index import MemoryIndex
 from kvmesh.prefill import server as prefill_server
 from kvmesh.prefill.config import PrefillConfig
 from kvmesh.remote_index import make_index_app
+from kvmesh.wire import kvmesh_pb2 as pb
+from kvmesh.wire import kvmesh_pb2_grpc as pb_grpc
 from test_engine_models import make_tiny_model
 
 torch.set_num_threads(1)
@@ -78,6 +80,10 @@ async def test_cancelled_serve_drops_holder_and_stops_engine(model_dir, role):
     try:
         await _until_serving(port)
         assert _engine_threads() == before + 1
+        async with grpc.aio.insecure_channel(holder) as ch:  # both roles answer the Load RPC
+            stub = (pb_grpc.PrefillStub if role == "prefill" else pb_grpc.DecodeStub)(ch)
+            load = await stub.Load(pb.LoadRequest(), timeout=5)
+        assert (load.running, load.waiting, load.pending, load.kv_cache_usage) == (0, 0, 0, 0.0)
         h = bytes(range(32))
         await index.publish(holder, [h], [])  # as if the worker had published a cached block
         assert await index.lookup([h]) == [frozenset({holder})]

@@ -67,6 +67,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.metrics = runtime.metrics
         self._ids = itertools.count()
 
+    async def Load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReply:
+        return self.runtime.load_reply()
+
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         async with self.runtime.admitted(context):

@@ -93,15 +93,21 @@ async def read_json(request: web.Request) -> Any:
 
 
 async def _health_loop(gw: Gateway) -> None:
+    """Health and load of every worker, every --health-interval-s."""
     clients = list(gw.clients)
+    roles = {a: w.role for a, w in gw.router.workers.items()}
     timeout = max(0.2, min(1.0, gw.cfg.health_interval_s))
     while True:
         # all at once: one slow worker must not delay noticing another one's death
-        results = await asyncio.gather(*(c.healthy(timeout=timeout) for c in clients))
-        for client, ok in zip(clients, results):
+        results = await asyncio.gather(*(c.healthy(timeout=timeout) for c in clients),
+                                       *(c.load(roles[c.address], timeout=timeout) for c in clients))
+        for client, ok, load in zip(clients, results[:len(clients)], results[len(clients):]):
             if gw.router.workers[client.address].healthy != ok:
                 log.warning("worker %s is now %s", client.address, "up" if ok else "down")
             gw.router.mark(client.address, ok)
+            # other gateways' requests too; none known (no answer) counts as only ours
+            gw.router.report_load(client.address, 0 if load is None else
+                                  max(load.running + load.waiting, load.pending))
         await asyncio.sleep(gw.cfg.health_interval_s)
 
 

@@ -5,11 +5,13 @@ prefix can be cached):  blocks w holds itself (free), blocks only a kvstore hold
 the network), the rest (computed). Then
 
     cost(w) = alpha * (uncached_tokens + store_weight * store_tokens + queued_prefill_tokens(w))
-              + beta * in_flight(w)
+              + beta * load(w)
 
 where the load terms are what this gateway has sent to w and not yet seen finish: requests in
 flight, and prompt tokens w still has to prefill for them (a worker busy prefilling a long prompt
-is as slow to start ours as if ours were longer).
+is as slow to start ours as if ours were longer). load(w) = max(in flight from this gateway, what w
+last reported of its own: running + waiting sequences, or calls in flight): other gateways' requests
+count too, so gateways sharing workers do not all herd onto the one each of them thinks is idle.
 
 Workers within `tolerance` of the cheapest are near-equal: among them the least loaded wins and a
 random one breaks what is still tied, so several gateways reading the same index do not all pick
@@ -41,6 +43,13 @@ class WorkerState:
     queued_tokens: int = 0
     """Prompt tokens sent to this worker for prefill whose first token has not come back yet."""
     healthy: bool = True
+    reported_load: int = 0
+    """What the worker last said it carries (Load RPC, polled with health): every gateway's requests."""
+
+    @property
+    def load(self) -> int:
+        """Requests this worker is busy with: ours in flight are counted at once, others' as reported."""
+        return max(self.in_flight, self.reported_load)
 
 
 @dataclass(frozen=True)
@@ -100,6 +109,9 @@ class Router:
     def mark(self, address: str, healthy: bool) -> None:
         self.workers[address].healthy = healthy
 
+    def report_load(self, address: str, load: int) -> None:
+        self.workers[address].reported_load = max(0, load)
+
     def begin(self, address: str, prefill_tokens: int = 0) -> None:
         w = self.workers[address]
         w.in_flight += 1
@@ -151,13 +163,13 @@ class Router:
         uncached = num_tokens - cached
         w = self.workers[address]
         return (self.alpha * (uncached + self.store_weight * store_tokens + w.queued_tokens)
-                + self.beta * w.in_flight)
+                + self.beta * w.load)
 
     def choose(self, costs: dict[str, float]) -> str:
         """Cheapest within tolerance, then least loaded, then random (anti-herding)."""
         best = min(costs.values())
         near = [a for a, c in costs.items() if c <= best + self.tolerance]
-        load = {a: (self.workers[a].in_flight, self.workers[a].queued_tokens) for a in near}
+        load = {a: (self.workers[a].load, self.workers[a].queued_tokens) for a in near}
         least = min(load.values())
         finalists = sorted(a for a in near if load[a] == least)
         return finalists[0] if len(finalists) == 1 else self.rng.choice(finalists)
@@ -197,7 +209,7 @@ class Router:
             # them locally pulls less. Store weight per block not held, plus load.
             n = len(hashes)
             pull = {a: self.alpha * self.store_weight * (n - prefixes[a].local) * self.block_size
-                    + self.beta * self.workers[a].in_flight for a in decoders}
+                    + self.beta * self.workers[a].load for a in decoders}
             decode = self.choose(pull)
         hit = prefixes[doer].blocks
         best_hit = max(prefixes[a].blocks for a in pool)

@@ -7,6 +7,8 @@ worker's span joins the gateway's HTTP request span.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -42,6 +44,15 @@ class WorkerClient:
         except grpc.aio.AioRpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def load(self, role: str, timeout: float = 1.0) -> Optional[pb.LoadReply]:
+        """The worker's own load (all gateways' requests); None if it cannot say (down, or too old
+        to serve Load)."""
+        stub = self._prefill if role == "prefill" else self._decode
+        try:
+            return await stub.Load(pb.LoadRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return None
 
     async def close(self) -> None:
         await self.channel.close()

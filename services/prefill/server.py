@@ -46,6 +46,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.metrics = runtime.metrics
         self._ids = itertools.count()
 
+    async def Load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReply:
+        return self.runtime.load_reply()
+
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillReply:
         async with self.runtime.admitted(context):
             return await self._prefill(request, context)

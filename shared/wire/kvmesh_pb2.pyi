@@ -218,6 +218,22 @@ class PrefillReply(_message.Message):
     finish_reason: str
     def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., tail: _Optional[_Union[TailKV, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., first_text: _Optional[str] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
+class LoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadReply(_message.Message):
+    __slots__ = ("running", "waiting", "kv_cache_usage", "pending")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    waiting: int
+    kv_cache_usage: float
+    pending: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., pending: _Optional[int] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "prefilled", "do_prefill", "cached_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -297,12 +297,23 @@ class PrefillStub:
                 request_serializer=kvmesh__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=kvmesh__pb2.PrefillReply.FromString,
                 _registered_method=True)
+        self.Load = channel.unary_unary(
+                '/kvmesh.v1.Prefill/Load',
+                request_serializer=kvmesh__pb2.LoadRequest.SerializeToString,
+                response_deserializer=kvmesh__pb2.LoadReply.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Prefill(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Load(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -315,6 +326,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=kvmesh__pb2.PrefillRequest.FromString,
                     response_serializer=kvmesh__pb2.PrefillReply.SerializeToString,
+            ),
+            'Load': grpc.unary_unary_rpc_method_handler(
+                    servicer.Load,
+                    request_deserializer=kvmesh__pb2.LoadRequest.FromString,
+                    response_serializer=kvmesh__pb2.LoadReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +370,33 @@ class Prefill:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Load(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Prefill/Load',
+            kvmesh__pb2.LoadRequest.SerializeToString,
+            kvmesh__pb2.LoadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeStub:
     """Missing associated documentation comment in .proto file."""
@@ -369,12 +412,23 @@ class DecodeStub:
                 request_serializer=kvmesh__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=kvmesh__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.Load = channel.unary_unary(
+                '/kvmesh.v1.Decode/Load',
+                request_serializer=kvmesh__pb2.LoadRequest.SerializeToString,
+                response_deserializer=kvmesh__pb2.LoadReply.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Load(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -387,6 +441,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=kvmesh__pb2.GenerateRequest.FromString,
                     response_serializer=kvmesh__pb2.GenerateChunk.SerializeToString,
+            ),
+            'Load': grpc.unary_unary_rpc_method_handler(
+                    servicer.Load,
+                    request_deserializer=kvmesh__pb2.LoadRequest.FromString,
+                    response_serializer=kvmesh__pb2.LoadReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -416,6 +475,33 @@ class Decode:
             '/kvmesh.v1.Decode/Generate',
             kvmesh__pb2.GenerateRequest.SerializeToString,
             kvmesh__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Load(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Decode/Load',
+            kvmesh__pb2.LoadRequest.SerializeToString,
+            kvmesh__pb2.LoadReply.FromString,
             options,
             channel_credentials,
             insecure,
