@@ -3,9 +3,8 @@
 Start order: the prefix index and the kvstore node(s) first, then the prefill and decode workers
 (they load the model in parallel), then the gateway; each waits for the one before it to answer its
 health check (gRPC health for the gRPC services, GET /health for the HTTP ones). Stop order is the
-reverse, SIGTERM then SIGKILL after a grace period. Children run in their own sessions so a Ctrl-C
-reaches only the launcher, which then stops them in order; on Linux they also get SIGTERM if the
-launcher itself dies. A child that exits on its own stops the rest with a message naming it.
+reverse, SIGTERM then SIGKILL after a grace period (kvmesh.supervisor runs the child processes). A
+child that exits on its own stops the rest with a message naming it.
 
 Without --redis-url the prefix index is one `MemoryIndex` served by a `kvmesh index` child over HTTP
 (see kvmesh.remote_index); every service gets its URL as --redis-url, since `make_index` maps an
@@ -16,27 +15,23 @@ http:// URL to a `RemoteIndex`. With --redis-url they all use Redis directly.
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import shlex
 import signal
-import socket
-import subprocess
 import sys
 import threading
-import time
-import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, TextIO
 
 from kvmesh.config import DEFAULT_MODEL
 from kvmesh.kv.layout import KV_CACHE_DTYPES
+from kvmesh.supervisor import ServiceProcess, StackError, Supervisor, free_port, probe
+
+__all__ = ["Stack", "StackConfig", "StackError", "add_up_args", "free_port", "probe", "run_stack"]
 
 ROLES_IN_START_ORDER = (("index", "kvstore"), ("prefill", "decode"), ("gateway",))
-
-
-class StackError(RuntimeError):
-    """A service failed to start or died; the message names it and quotes its last log lines."""
+# Stop ranks, lowest first: the reverse of ROLES_IN_START_ORDER (the gateway stops taking requests first).
+STOP_ORDER = {"gateway": 0, "prefill": 1, "decode": 1, "kvstore": 2, "index": 3}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,93 +150,22 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# health probes
+# the stack
 # ---------------------------------------------------------------------------------------------
-def probe(target: str, timeout_s: float = 2.0) -> tuple[bool, str]:
-    """(healthy, detail) for `host:port` (gRPC health, overall service) or an http:// URL (GET /health)."""
-    if target.startswith(("http://", "https://")):
-        url = target if target.rstrip("/").count("/") > 2 else target.rstrip("/") + "/health"
-        try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as r:
-                return r.status == 200, f"HTTP {r.status}"
-        except Exception as e:  # refused, timeout, HTTP error: all mean "not healthy yet"
-            return False, f"{type(e).__name__}: {e}"
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    try:
-        with grpc.insecure_channel(target) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
-                                                              timeout=timeout_s)
-        status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-        return reply.status == health_pb2.HealthCheckResponse.SERVING, status
-    except grpc.RpcError as e:
-        return False, f"gRPC {e.code().name}"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-# ---------------------------------------------------------------------------------------------
-# processes
-# ---------------------------------------------------------------------------------------------
-def _child_setup():
-    """What runs in each child before exec: its own session (a terminal's Ctrl-C reaches only the
-    launcher) and, on Linux, SIGTERM when the launcher dies (prctl PR_SET_PDEATHSIG). libc is loaded
-    here, before any fork: loading a library between fork and exec can deadlock."""
-    prctl = None
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-
-    def setup() -> None:
-        os.setsid()
-        if prctl is not None:
-            prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-    return setup
-
-
-@dataclass
-class ServiceProcess:
-    name: str
-    """e.g. decode-0"""
-    role: str
-    argv: list[str]
-    health: str
-    """What `probe` checks: host:port (gRPC) or http://host:port."""
-    popen: Optional[subprocess.Popen] = None
-    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=40))
-    pump: Optional[threading.Thread] = None
-    """Copies the child's output into `tail` (and the launcher's log)."""
-
-    @property
-    def pid(self) -> Optional[int]:
-        return self.popen.pid if self.popen else None
-
-    def returncode(self) -> Optional[int]:
-        return self.popen.poll() if self.popen else None
-
-    def last_lines(self) -> str:
-        return "\n".join(f"    {line}" for line in self.tail) or "    (no output)"
-
-
 class Stack:
     """The whole kvmesh stack as child processes. `with Stack(cfg) as s: s.url ...` or start()/stop()."""
 
     def __init__(self, cfg: StackConfig, log: Optional[TextIO] = None) -> None:
         self.cfg = cfg
         self.log = log
-        self.children: list[ServiceProcess] = []
+        self.supervisor = Supervisor(log)
         self.gateway_port = cfg.port or free_port()
         self.index_url = cfg.redis_url
         self._abort = threading.Event()
-        self._log_lock = threading.Lock()
-        self._child_setup = _child_setup()
+
+    @property
+    def children(self) -> list[ServiceProcess]:
+        return self.supervisor.children
 
     @property
     def url(self) -> str:
@@ -297,63 +221,20 @@ class Stack:
         return waves
 
     # -- running ---------------------------------------------------------------------------------
-    def _emit(self, proc: ServiceProcess, line: str) -> None:
-        proc.tail.append(line)
-        if self.log is not None:
-            with self._log_lock:
-                self.log.write(f"[{proc.name}] {line}\n")
-                self.log.flush()
-
-    def _pump(self, proc: ServiceProcess) -> None:
-        assert proc.popen is not None and proc.popen.stdout is not None
-        try:
-            for raw in proc.popen.stdout:
-                self._emit(proc, raw.decode(errors="replace").rstrip("\n"))
-        except (ValueError, OSError):  # the pipe was closed under us by stop(): nothing more to read
-            pass
-
-    def _spawn(self, proc: ServiceProcess) -> None:
-        # The launcher passes every setting as a flag; stray KVMESH_* variables must not leak in as defaults.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        proc.popen = subprocess.Popen(proc.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, env=env, preexec_fn=self._child_setup)
-        proc.pump = threading.Thread(target=self._pump, args=(proc,), name=f"log-{proc.name}", daemon=True)
-        proc.pump.start()
-        self.children.append(proc)
-
     def dead(self) -> Optional[ServiceProcess]:
         """The first child that has exited, if any."""
-        return next((c for c in self.children if c.returncode() is not None), None)
+        return self.supervisor.dead()
 
     def _died_message(self, proc: ServiceProcess) -> str:
-        return (f"{proc.name} (pid {proc.pid}) exited with code {proc.returncode()}; "
-                f"stopping the other services. Its last output:\n{proc.last_lines()}")
-
-    def _wait_healthy(self, wave: list[ServiceProcess]) -> None:
-        deadline = time.monotonic() + self.cfg.startup_timeout_s
-        pending = list(wave)
-        while pending:
-            if self._abort.is_set():
-                raise StackError("startup interrupted")
-            dead = self.dead()
-            if dead is not None:
-                raise StackError(self._died_message(dead))
-            pending = [p for p in pending if not probe(p.health, 1.0)[0]]
-            if not pending:
-                return
-            if time.monotonic() > deadline:
-                names = ", ".join(f"{p.name} ({p.health}: {probe(p.health, 1.0)[1]})" for p in pending)
-                raise StackError(f"not healthy after --startup-timeout {self.cfg.startup_timeout_s:g}s: {names}")
-            self._abort.wait(0.25)
+        return self.supervisor.died_message(proc)
 
     def start(self) -> "Stack":
         """Start every service, waiting for each wave to be healthy. Raises StackError (children stopped)."""
         try:
             for wave in self._plan():
                 for proc in wave:
-                    self._spawn(proc)
-                self._wait_healthy(wave)
+                    self.supervisor.spawn(proc)
+                self.supervisor.wait_healthy(wave, self.cfg.startup_timeout_s, self._abort)
         except BaseException:
             self.stop()
             raise
@@ -365,35 +246,11 @@ class Stack:
 
     def stop(self, grace_s: float = 15.0) -> dict[str, Optional[int]]:
         """SIGTERM the services in reverse start order, SIGKILL what outlives `grace_s`; their exit codes."""
-        order = {"gateway": 0, "prefill": 1, "decode": 1, "kvstore": 2, "index": 3}
-        for rank in range(4):
-            group = [c for c in self.children if order[c.role] == rank and c.returncode() is None]
-            for c in group:
-                try:
-                    c.popen.send_signal(signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-            deadline = time.monotonic() + grace_s
-            for c in group:
-                try:
-                    c.popen.wait(max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    self._emit(c, f"did not stop within {grace_s:g}s of SIGTERM; killing it")
-                    c.popen.kill()
-                    c.popen.wait()
-        codes = {c.name: c.returncode() for c in self.children}
-        for c in self.children:
-            if c.pump is not None:
-                c.pump.join(2.0)  # the last lines (a shutdown error) belong in the log
-            if c.popen and c.popen.stdout:
-                c.popen.stdout.close()
-        return codes
+        return self.supervisor.stop(STOP_ORDER, grace_s)
 
     def kill(self) -> None:
         """SIGKILL every child still running (a second Ctrl-C)."""
-        for c in self.children:
-            if c.returncode() is None:
-                c.popen.kill()
+        self.supervisor.kill()
 
     def __enter__(self) -> "Stack":
         return self.start()
