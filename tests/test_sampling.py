@@ -83,16 +83,19 @@ def test_top_k_top_p_min_p_restrict_the_support():
     s = Sampler(0, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     top5 = set(logits[0].topk(5).indices.tolist())
-    seen = {s(logits, [_row(temperature=1.0, top_k=5, generator=g, out=[0] * i)]).token_ids[0] for i in range(200)}
+    seen = {s(logits, [_row(temperature=1.0, top_k=5, generator=g, out=[0] * i)]).token_ids[0]
+            for i in range(200)}
     assert seen <= top5 and len(seen) > 1
     probs = torch.softmax(logits[0], -1)
     sp, idx = probs.sort(descending=True)
     keep = int((sp.cumsum(0) < 0.5).sum()) + 1  # smallest prefix reaching 0.5
     allowed = set(idx[:keep].tolist())
-    seen = {s(logits, [_row(temperature=1.0, top_p=0.5, generator=g, out=[0] * i)]).token_ids[0] for i in range(200)}
+    seen = {s(logits, [_row(temperature=1.0, top_p=0.5, generator=g, out=[0] * i)]).token_ids[0]
+            for i in range(200)}
     assert seen <= allowed
     allowed = set(torch.nonzero(probs >= 0.3 * probs.max()).flatten().tolist())
-    seen = {s(logits, [_row(temperature=1.0, min_p=0.3, generator=g, out=[0] * i)]).token_ids[0] for i in range(200)}
+    seen = {s(logits, [_row(temperature=1.0, min_p=0.3, generator=g, out=[0] * i)]).token_ids[0]
+            for i in range(200)}
     assert seen <= allowed
 
 
