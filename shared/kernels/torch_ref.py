@@ -1,22 +1,126 @@
 """`TorchBackend`: the pure-torch attention backend (the CPU serving path and the kernels' reference).
 
 attend: for each sequence, its context = dequantized full pages ++ residual tail ++ its new K/V;
-causal attention with GQA, softmax and accumulation in float32. Decode sequences (one new token)
-are batched together, padded to the longest context and masked; a longer query run is attended
-sequence by sequence (in query chunks, to bound the score matrix).
+causal attention with GQA, softmax and accumulation in float32. The step's index math (which rows
+decode, which pages to read, the key masks) is done once per step in a `_StepPlan` and reused by
+every layer. Three paths:
+  - decode (one new token): all such sequences at once; pages are gathered heads first
+    ([KVH, G, pages * bs, D], one row copy per page and head), scored with one batched matmul per
+    part (pages, residual tail, own token) and softmaxed together under an additive key mask;
+  - a fresh prompt run (no cached prefix): one `scaled_dot_product_attention(is_causal=True)` per
+    group of equal-length runs;
+  - a run after a cached prefix: one SDPA per query chunk over the assembled context with an
+    explicit causal mask (the chunk bounds the mask, and the score matrix if SDPA falls back).
 write: follows the `WritePlan` (gather rows of cat(residual, new), quantize completed blocks into
 their pages, copy leftovers into the residual slots). All gathers happen before any write, since a
 leftover may land on a residual row that a completed block just consumed.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 from kvmesh.kernels.backend import AttentionMetadata
 from kvmesh.kv.pool import KVCache
 from kvmesh.kv.quant import dequantize, quantize_blocks, store_blocks
 
-QUERY_CHUNK = 512  # query rows per score matrix for long prefills: [chunk, ctx] per head
+QUERY_CHUNK = 512  # query rows per SDPA call after a cached prefix: bounds the [chunk, ctx] mask
+
+
+@dataclass(frozen=True)
+class _DecodePlan:
+    """The sequences with exactly one new token, as one batch of G."""
+
+    rows: torch.Tensor | None
+    """int64 [G]: their query rows; None when they are all T rows, in order."""
+    slots: torch.Tensor
+    """int64 [G]: residual slots."""
+    page_ids: torch.Tensor
+    """int64 [G * nfull]: full pages, sequence-major; short tables padded with page 0 (masked)."""
+    nfull: int
+    """Most full pages of any of them."""
+    bias: torch.Tensor
+    """float32 [G, nfull * bs + bs + 1]: 0 where a key may be attended, -inf elsewhere
+    (keys: pages, residual tail, own token)."""
+
+
+@dataclass(frozen=True)
+class _Run:
+    """A run of new tokens (more than one) of one sequence."""
+
+    seq: int
+    start: int
+    n: int
+    prefix: int
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    key: tuple
+    decode: _DecodePlan | None
+    fresh: dict[int, list[_Run]]
+    """Runs with no cached prefix, by length (one SDPA call per length)."""
+    extend: list[_Run]
+    """Runs after a cached prefix."""
+
+
+def _plan_key(meta: AttentionMetadata) -> tuple:
+    return (id(meta), id(meta.query_start_loc), id(meta.prefix_lens), id(meta.block_tables),
+            id(meta.residual_slots))
+
+
+def build_step_plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
+    qsl = meta.query_start_loc.tolist()
+    prefix = meta.prefix_lens.tolist()
+    dev = meta.query_start_loc.device
+    dec: list[int] = []
+    fresh: dict[int, list[_Run]] = {}
+    extend: list[_Run] = []
+    for i, p in enumerate(prefix):
+        n = qsl[i + 1] - qsl[i]
+        if n == 1:
+            dec.append(i)
+        elif p == 0:
+            fresh.setdefault(n, []).append(_Run(i, qsl[i], n, 0))
+        else:
+            extend.append(_Run(i, qsl[i], n, p))
+    decode = None
+    if dec:
+        bs = block_size
+        idx = torch.tensor(dec, dtype=torch.int64, device=dev)
+        rows = None if len(dec) == qsl[-1] else meta.query_start_loc.long()[idx]
+        p = meta.prefix_lens.long()[idx]  # [G]
+        full = p // bs
+        nfull = int(full.max())
+        table = meta.block_tables[idx, :nfull].long().clamp(min=0)  # [G, nfull]
+        pos = torch.arange(nfull * bs + bs + 1, device=dev)[None, :]  # [1, Ltot] key positions
+        allowed = torch.where(pos < nfull * bs, pos < (full * bs)[:, None],  # pages
+                              pos - nfull * bs < (p % bs)[:, None])  # residual tail (+ own token)
+        allowed[:, -1] = True
+        bias = torch.zeros(allowed.shape, device=dev).masked_fill_(~allowed, float("-inf"))
+        decode = _DecodePlan(rows, meta.residual_slots.long()[idx], table.flatten(), nfull, bias)
+    return _StepPlan(_plan_key(meta), decode, fresh, extend)
+
+
+def _heads_first(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a page view t [N, KVH, ...] -> [KVH, n, ...]: one row gather per head, into
+    the heads-first buffer (no second copy to transpose)."""
+    out = torch.empty((t.shape[1], ids.numel()) + tuple(t.shape[2:]), dtype=t.dtype, device=t.device)
+    for h in range(t.shape[1]):
+        torch.index_select(t[:, h], 0, ids, out=out[h])
+    return out
+
+
+def gather_pages(cache: KVCache, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pages `ids` (int64 [n]) of one layer, dequantized: k, v float32 [KVH, n, bs, D].
+    `dequantize` takes [n, H, ...] parts; here its n is KVH and its H is our n (same broadcasts)."""
+    view = cache.layer_view(layer)
+    ks = vs = None
+    if view.k_scale is not None:
+        ks, vs = _heads_first(view.k_scale, ids), _heads_first(view.v_scale, ids)
+    return dequantize(_heads_first(view.k, ids), _heads_first(view.v, ids), ks, vs, cache.layout.kv_dtype)
 
 
 def _gather_rows(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
@@ -35,117 +139,104 @@ def _gather_rows(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
     return torch.where(sel, nk, rk), torch.where(sel, nv, rv)
 
 
-def _page_scores(Q: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
-    """Q [G, KVH, M, D] x pages pk [G, nfull, KVH, bs, D] -> scores [G, KVH, M, nfull * bs].
-    Few query rows (decode): broadcast Q over the pages instead of copying the pages heads-major."""
-    G, nfull, KVH, bs, D = pk.shape
-    M = Q.shape[2]
-    if M < bs:
-        s = torch.matmul(Q[:, None], pk.transpose(-1, -2))  # [G, nfull, KVH, M, bs]
-        return s.permute(0, 2, 3, 1, 4).reshape(G, KVH, M, nfull * bs)
-    k = pk.transpose(1, 2).reshape(G, KVH, nfull * bs, D)
-    return torch.matmul(Q, k.transpose(-1, -2))
-
-
-def _page_output(P: torch.Tensor, pv: torch.Tensor) -> torch.Tensor:
-    """probs P [G, KVH, M, nfull * bs] x pages pv [G, nfull, KVH, bs, D] -> [G, KVH, M, D]."""
-    G, nfull, KVH, bs, D = pv.shape
-    M = P.shape[2]
-    if M < bs:
-        p = P.reshape(G, KVH, M, nfull, bs).permute(0, 3, 1, 2, 4)  # [G, nfull, KVH, M, bs]
-        return torch.matmul(p, pv).sum(dim=1)
-    return torch.matmul(P, pv.transpose(1, 2).reshape(G, KVH, nfull * bs, D))
-
-
 class TorchBackend:
     """Implements `kvmesh.kernels.backend.AttentionBackend` with plain torch ops on any device."""
 
     name = "torch"
 
+    def __init__(self) -> None:
+        self._plan: _StepPlan | None = None  # the current step's, reused by every layer
+        self._plan_meta: AttentionMetadata | None = None  # held so its id is not reused
+
+    def _step_plan(self, meta: AttentionMetadata, block_size: int) -> _StepPlan:
+        if self._plan is None or self._plan.key != _plan_key(meta) or self._plan_meta is not meta:
+            self._plan = build_step_plan(meta, block_size)
+            self._plan_meta = meta
+        return self._plan
+
     def attend(self, cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        out = torch.empty_like(q)  # [T, H, D]
-        n_new = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()  # [B]
-        decode = torch.nonzero(n_new == 1).flatten()
-        if decode.numel():
-            self._attend_group(cache, layer, q, k, v, meta, scale, decode, out, 0, 1)
-        for i in torch.nonzero(n_new > 1).flatten().tolist():
-            seq = torch.tensor([i], device=q.device)
-            n = int(n_new[i])
-            for j0 in range(0, n, QUERY_CHUNK):
-                self._attend_group(cache, layer, q, k, v, meta, scale, seq, out, j0, min(n, j0 + QUERY_CHUNK))
+        plan = self._step_plan(meta, cache.layout.block_size)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
+        if plan.decode is not None:
+            self._attend_decode(cache, layer, q, k, v, plan.decode, scale, out)
+        for n, runs in plan.fresh.items():
+            self._attend_fresh(q, k, v, runs, n, scale, out)
+        for run in plan.extend:
+            self._attend_extend(cache, layer, q, k, v, meta, run, scale, out)
         return out
 
-    def _attend_group(self, cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor, meta: AttentionMetadata, scale: float, idx: torch.Tensor,
-                      out: torch.Tensor, j0: int, j1: int) -> None:
-        """Attention for sequences `idx` [G], query rows j0..j1-1 of each (relative to its first new
-        token; rows past a sequence's own count are masked). Writes into out.
-
-        Keys come in three parts with their own masks, scored separately and softmaxed together
-        (attention does not depend on key order): full pages [G, KVH, nfull * bs], the residual
-        tail [G, KVH, bs] and the new rows [G, KVH, j1]. No gather of one big padded context."""
+    def _attend_decode(self, cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, d: _DecodePlan, scale: float, out: torch.Tensor) -> None:
         L = cache.layout
         bs, KVH, D = L.block_size, L.kv_heads, L.head_dim
         H = q.shape[1]
-        R = H // KVH
-        dev = q.device
-        qsl = meta.query_start_loc.long()
-        p = meta.prefix_lens.long()[idx]  # [G]
-        qs = qsl[idx]  # [G]
-        n = qsl[idx + 1] - qs  # [G]
-        slot = meta.residual_slots.long()[idx]  # [G]
-        G, Qn = idx.numel(), j1 - j0
-        full = p // bs  # [G] full pages in the prefix
-        nfull = int(full.max())
+        G = d.slots.numel()
+        if d.rows is not None:
+            q, k, v = q.index_select(0, d.rows), k.index_select(0, d.rows), v.index_select(0, d.rows)
+        Q = (q.float().reshape(G, KVH, H // KVH, D) * scale).transpose(0, 1)  # [KVH, G, R, D]
+        res = cache.residual[:, layer].index_select(0, d.slots).float()  # [G, 2, KVH, bs, D]
+        kr, vr = res[:, 0].transpose(0, 1), res[:, 1].transpose(0, 1)  # [KVH, G, bs, D]
+        kn, vn = k.float().transpose(0, 1)[:, :, None], v.float().transpose(0, 1)[:, :, None]  # [KVH, G, 1, D]
+        parts = [torch.matmul(Q, kr.transpose(-1, -2)), torch.matmul(Q, kn.transpose(-1, -2))]
+        if d.nfull:
+            kp, vp = gather_pages(cache, layer, d.page_ids)  # [KVH, G * nfull, bs, D]
+            kp = kp.view(KVH, G, d.nfull * bs, D)
+            vp = vp.view(KVH, G, d.nfull * bs, D)
+            parts.insert(0, torch.matmul(Q, kp.transpose(-1, -2)))
+        scores = torch.cat(parts, dim=-1)  # [KVH, G, R, Ltot]
+        probs = torch.softmax(scores.add_(d.bias[None, :, None, :]), dim=-1)
+        o = torch.matmul(probs[..., -bs - 1:-1], vr).add_(probs[..., -1:] * vn)  # [KVH, G, R, D]
+        if d.nfull:
+            o.add_(torch.matmul(probs[..., :d.nfull * bs], vp))
+        o = o.transpose(0, 1).reshape(G, H, D)
+        if d.rows is None:
+            out.copy_(o)
+        else:
+            out[d.rows] = o.to(out.dtype)
 
-        j = torch.arange(j0, j1, device=dev)[None, :]  # [1, Qn]
-        q_valid = j < n[:, None]  # [G, Qn]
-        q_row = torch.where(q_valid, qs[:, None] + j, torch.zeros_like(j))  # [G, Qn]
-        Q = q[q_row].float().view(G, Qn, KVH, R, D).permute(0, 2, 3, 1, 4).reshape(G, KVH, R * Qn, D)
-        Q = Q * scale
+    @staticmethod
+    def _attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list[_Run], n: int,
+                      scale: float, out: torch.Tensor) -> None:
+        """Runs of n new tokens with nothing cached before them: plain causal attention."""
+        G, H, D = len(runs), q.shape[1], q.shape[2]
+        first = runs[0].start
+        if all(r.start == first + i * n for i, r in enumerate(runs)):  # adjacent: slices, no gather
+            rows = slice(first, first + G * n)
+        else:
+            rows = torch.cat([torch.arange(r.start, r.start + n, device=q.device) for r in runs])
+        Q = q[rows].float().reshape(G, n, H, D).transpose(1, 2)  # [G, H, n, D]
+        K = k[rows].float().reshape(G, n, -1, D).transpose(1, 2)  # [G, KVH, n, D]
+        V = v[rows].float().reshape(G, n, -1, D).transpose(1, 2)
+        o = F.scaled_dot_product_attention(Q, K, V, is_causal=True, scale=scale, enable_gqa=True)
+        out[rows] = o.transpose(1, 2).reshape(G * n, H, D).to(out.dtype)
 
-        keys: list[torch.Tensor] = []  # each [G, KVH, Lpart, D]
-        vals: list[torch.Tensor] = []
-        masks: list[torch.Tensor] = []  # each [G, Qn, Lpart] bool (True = may attend)
-        page_k = page_v = None
+    @staticmethod
+    def _attend_extend(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       meta: AttentionMetadata, r: _Run, scale: float, out: torch.Tensor) -> None:
+        """A run of new tokens after a cached prefix: context = pages ++ residual tail ++ new rows."""
+        bs = cache.layout.block_size
+        nfull, tail = divmod(r.prefix, bs)
+        slot = int(meta.residual_slots[r.seq])
+        res = cache.residual[slot, layer, :, :, :tail].float()  # [2, KVH, tail, D]
+        ks, vs = [res[0]], [res[1]]
         if nfull:
-            table = meta.block_tables[idx, :nfull].long()  # [G, nfull]
-            pages = cache.gather_layer(layer, table.clamp(min=0).flatten())  # one byte gather
-            pk, pv = dequantize(pages.k, pages.v, pages.k_scale, pages.v_scale, L.kv_dtype)
-            page_k = pk.view(G, nfull, KVH, bs, D)
-            page_v = pv.view(G, nfull, KVH, bs, D)
-            page_pos = torch.arange(nfull * bs, device=dev)[None, :] < (full * bs)[:, None]  # [G, nfull*bs]
-            masks.append(page_pos[:, None, :].expand(G, Qn, nfull * bs))
-        res = cache.residual[slot, layer].float()  # [G, 2, KVH, bs, D]
-        keys.append(res[:, 0])
-        vals.append(res[:, 1])
-        res_pos = torch.arange(bs, device=dev)[None, :] < (p % bs)[:, None]  # [G, bs]
-        masks.append(res_pos[:, None, :].expand(G, Qn, bs))
-        jn = torch.arange(j1, device=dev)[None, :]  # [1, j1] new keys this chunk can see
-        n_row = torch.where(jn < n[:, None], qs[:, None] + jn, torch.zeros_like(jn))  # [G, j1]
-        keys.append(k[n_row].float().permute(0, 2, 1, 3))  # [G, KVH, j1, D]
-        vals.append(v[n_row].float().permute(0, 2, 1, 3))
-        # causal among the new tokens (j < n implies jn < n for every key a query may see)
-        masks.append((jn[:, None, :] <= j[:, :, None]).expand(G, Qn, j1))
-
-        parts = [torch.matmul(Q, kk.transpose(-1, -2)) for kk in keys]
-        if page_k is not None:
-            parts.insert(0, _page_scores(Q, page_k))
-        scores = torch.cat(parts, dim=-1)  # [G, KVH, R*Qn, Ltot]
-        allowed = torch.cat(masks, dim=-1)  # [G, Qn, Ltot]
-        allowed = allowed[:, None, None].expand(G, KVH, R, Qn, allowed.shape[-1]).reshape(G, KVH, R * Qn, -1)
-        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-        o = torch.zeros(G, KVH, R * Qn, D, device=dev)
-        at = 0
-        if page_v is not None:
-            at = nfull * bs
-            o += _page_output(probs[..., :at], page_v)
-        for vv in vals:
-            o += torch.matmul(probs[..., at:at + vv.shape[2]], vv)
-            at += vv.shape[2]
-        o = o.view(G, KVH, R, Qn, D).permute(0, 3, 1, 2, 4).reshape(G, Qn, H, D)  # [G, Qn, H, D]
-        out[q_row[q_valid]] = o[q_valid].to(out.dtype)
+            kp, vp = gather_pages(cache, layer, meta.block_tables[r.seq, :nfull].long())  # [KVH, nfull, bs, D]
+            ks.insert(0, kp.flatten(1, 2))
+            vs.insert(0, vp.flatten(1, 2))
+        new = slice(r.start, r.start + r.n)
+        ks.append(k[new].float().transpose(0, 1))  # [KVH, n, D]
+        vs.append(v[new].float().transpose(0, 1))
+        K, V = torch.cat(ks, dim=1)[None], torch.cat(vs, dim=1)[None]  # [1, KVH, prefix + n, D]
+        Q = q[new].float().transpose(0, 1)[None]  # [1, H, n, D]
+        for j0 in range(0, r.n, QUERY_CHUNK):
+            j1 = min(r.n, j0 + QUERY_CHUNK)
+            ctx = r.prefix + j1  # keys the last query of this chunk can see
+            qpos = r.prefix + torch.arange(j0, j1, device=q.device)  # [Qn]
+            mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]  # [Qn, ctx]
+            o = F.scaled_dot_product_attention(Q[:, :, j0:j1], K[:, :, :ctx], V[:, :, :ctx],
+                                               attn_mask=mask, scale=scale, enable_gqa=True)
+            out[r.start + j0:r.start + j1] = o[0].transpose(0, 1).to(out.dtype)
 
     def write(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
               meta: AttentionMetadata) -> None:
