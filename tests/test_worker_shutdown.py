@@ -95,3 +95,33 @@ async def test_cancelled_serve_drops_holder_and_stops_engine(model_dir, role):
     finally:
         task.cancel()
         await runner.cleanup()
+
+
+def test_kvstore_module_exits_promptly_on_sigint_even_if_inherited_ignored():
+    """`python -m kvmesh.kvstore &` from a script starts with SIGINT ignored; Python then installs no
+    KeyboardInterrupt handler, so SIGINT did nothing until the sender killed the node (5-12 s)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    port = _free_port()
+    p = subprocess.Popen([sys.executable, "-m", "kvmesh.kvstore", "--port", str(port)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        out = b""
+        deadline = time.monotonic() + 60
+        while b"serving on" not in out:
+            chunk = p.stdout.read1(4096)
+            assert chunk and time.monotonic() < deadline, f"kvstore never came up: {out[-500:]!r}"
+            out += chunk
+        t = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=5) == 0
+        assert time.monotonic() - t < 5
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        p.stdout.close()

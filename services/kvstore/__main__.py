@@ -22,7 +22,11 @@ def main(argv: list[str] | None = None) -> None:
     async def run() -> None:
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        # SIGINT too, explicitly: a process started in the background of a script inherits SIGINT
+        # ignored, and Python then installs no KeyboardInterrupt handler, so Ctrl-C/kill -INT did
+        # nothing until the sender gave up and killed it (the "5-12 s to exit").
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
         try:
             await serve(cfg)
         except asyncio.CancelledError:
