@@ -147,7 +147,7 @@ class Dispatcher:
                     others = self.router.healthy("decode")
                     if not others:
                         raise api_error_from_grpc(e.error, e.address) from None
-                    decode = self.router.choose({a: float(self.router.workers[a].in_flight) for a in others})
+                    decode = self.router.choose({a: float(self.router.workers[a].load) for a in others})
         req = pb.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt_ids),
                                  sampling=params, cache_salt=cache_salt, do_prefill=True,
                                  cached_blocks=refs)
