@@ -168,3 +168,49 @@ class WorkerRuntime:
             except Exception:  # the index is advisory: log and keep serving
                 log.exception("%s: publishing prefix-cache events failed", self.role)
             await asyncio.sleep(self.cfg.publish_interval)
+
+
+class Worker:
+    """What the prefill and decode workers share: a runtime (gRPC server, health, load, index
+    publishing) and a block transfer to the kvstore. Subclasses set `role` and register a servicer."""
+
+    role = ""
+
+    def __init__(self, cfg: WorkerConfig, engine: Any, kvstore: Any, index: Any,
+                 metrics: Optional[Metrics] = None) -> None:
+        from kvmesh.block_transfer import BlockTransfer, TransferMetrics
+        self.runtime = WorkerRuntime(cfg, self.role, engine, index, metrics)
+        llm = engine.engine
+        self.transfer = BlockTransfer(kvstore, llm.layout, llm.model_id, self.runtime.holder,
+                                      cfg.lease_seconds, TransferMetrics(self.runtime.metrics.registry))
+
+    @property
+    def address(self) -> str:
+        return self.runtime.address
+
+    async def start(self) -> None:
+        await self.runtime.start()
+
+    async def stop(self, grace: float = 2.0) -> None:
+        await self.runtime.stop(grace)
+
+
+async def serve_worker(cfg: WorkerConfig, make_worker: Callable[..., Worker]) -> None:
+    """Builds the real engine, kvstore client and index, runs `make_worker(cfg, engine, kvstore,
+    index)` until cancelled, then stops it and closes what it used."""
+    from kvmesh.engine.async_engine import AsyncEngine
+    from kvmesh.engine.engine import LLMEngine
+    from kvmesh.index import make_index
+    from kvmesh.kvstore.client import GrpcKVStoreClient
+
+    engine = AsyncEngine(await asyncio.to_thread(LLMEngine, cfg.engine))
+    kvstore = GrpcKVStoreClient(list(cfg.kvstore))
+    index = make_index(cfg.redis_url)
+    worker = make_worker(cfg, engine, kvstore, index)
+    try:
+        await worker.start()
+        await worker.runtime.wait()
+    finally:
+        await worker.stop()
+        await kvstore.close()
+        await index.close()

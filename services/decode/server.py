@@ -24,14 +24,14 @@ from typing import Any, AsyncIterator, Optional
 import grpc
 from opentelemetry import trace
 
-from kvmesh.block_transfer import BlockTransfer, TransferMetrics
+from kvmesh.block_transfer import BlockTransfer
 from kvmesh.decode.config import DecodeConfig
 from kvmesh.kv.layout import BlockLayout
 from kvmesh.telemetry import Metrics, server_span
 from kvmesh.wire import convert
 from kvmesh.wire import kvmesh_pb2 as pb
 from kvmesh.wire import kvmesh_pb2_grpc as pb_grpc
-from kvmesh.worker_runtime import WorkerRuntime
+from kvmesh.worker_runtime import Worker, WorkerRuntime, serve_worker
 
 log = logging.getLogger(__name__)
 
@@ -183,44 +183,19 @@ def _text_delta(sent: str, text: str) -> str:
     return text[len(sent):]
 
 
-class DecodeWorker:
+class DecodeWorker(Worker):
     """A decode worker with its dependencies passed in (serve() builds the real ones)."""
+
+    role = "decode"
 
     def __init__(self, cfg: DecodeConfig, engine: Any, kvstore: Any, index: Any,
                  metrics: Optional[Metrics] = None, tracer: Optional[trace.Tracer] = None) -> None:
-        self.runtime = WorkerRuntime(cfg, "decode", engine, index, metrics)
-        llm = engine.engine
-        self.transfer = BlockTransfer(kvstore, llm.layout, llm.model_id, self.runtime.holder, cfg.lease_seconds,
-                                      TransferMetrics(self.runtime.metrics.registry))
-        self.servicer = DecodeServicer(self.runtime, self.transfer, tracer or trace.get_tracer("kvmesh.decode"))
+        super().__init__(cfg, engine, kvstore, index, metrics)
+        self.servicer = DecodeServicer(self.runtime, self.transfer,
+                                        tracer or trace.get_tracer("kvmesh.decode"))
         self.runtime.add_servicer(lambda s: pb_grpc.add_DecodeServicer_to_server(self.servicer, s))
-
-    @property
-    def address(self) -> str:
-        return self.runtime.address
-
-    async def start(self) -> None:
-        await self.runtime.start()
-
-    async def stop(self, grace: float = 2.0) -> None:
-        await self.runtime.stop(grace)
 
 
 async def serve(cfg: DecodeConfig) -> None:
     """Runs a decode worker until cancelled (kvmesh decode ...)."""
-    from kvmesh.engine.async_engine import AsyncEngine
-    from kvmesh.engine.engine import LLMEngine
-    from kvmesh.index import make_index
-    from kvmesh.kvstore.client import GrpcKVStoreClient
-
-    engine = AsyncEngine(await asyncio.to_thread(LLMEngine, cfg.engine))
-    kvstore = GrpcKVStoreClient(list(cfg.kvstore))
-    index = make_index(cfg.redis_url)
-    worker = DecodeWorker(cfg, engine, kvstore, index)
-    try:
-        await worker.start()
-        await worker.runtime.wait()
-    finally:
-        await worker.stop()
-        await kvstore.close()
-        await index.close()
+    await serve_worker(cfg, DecodeWorker)

@@ -12,7 +12,6 @@ Local prefix-cache events are published to the index under this worker's address
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import itertools
@@ -23,14 +22,14 @@ from typing import Any, Optional
 import grpc
 from opentelemetry import trace
 
-from kvmesh.block_transfer import BlockTransfer, TransferMetrics
+from kvmesh.block_transfer import BlockTransfer
 from kvmesh.kvstore.client import node_for
 from kvmesh.prefill.config import PrefillConfig
 from kvmesh.telemetry import Metrics, server_span
 from kvmesh.wire import convert
 from kvmesh.wire import kvmesh_pb2 as pb
 from kvmesh.wire import kvmesh_pb2_grpc as pb_grpc
-from kvmesh.worker_runtime import WorkerRuntime
+from kvmesh.worker_runtime import Worker, WorkerRuntime, serve_worker
 
 log = logging.getLogger(__name__)
 
@@ -128,45 +127,19 @@ def _visible_text(text: str, stop: Optional[list[str]], finished: bool) -> str:
     return text if finished or not hold else text[:max(0, len(text) - hold)]
 
 
-class PrefillWorker:
+class PrefillWorker(Worker):
     """A prefill worker with its dependencies passed in (serve() builds the real ones)."""
+
+    role = "prefill"
 
     def __init__(self, cfg: PrefillConfig, engine: Any, kvstore: Any, index: Any,
                  metrics: Optional[Metrics] = None, tracer: Optional[trace.Tracer] = None) -> None:
-        self.runtime = WorkerRuntime(cfg, "prefill", engine, index, metrics)
-        llm = engine.engine
-        self.transfer = BlockTransfer(kvstore, llm.layout, llm.model_id, self.runtime.holder, cfg.lease_seconds,
-                                      TransferMetrics(self.runtime.metrics.registry))
+        super().__init__(cfg, engine, kvstore, index, metrics)
         self.servicer = PrefillServicer(self.runtime, self.transfer, list(cfg.kvstore),
                                         tracer or trace.get_tracer("kvmesh.prefill"))
         self.runtime.add_servicer(lambda s: pb_grpc.add_PrefillServicer_to_server(self.servicer, s))
 
-    @property
-    def address(self) -> str:
-        return self.runtime.address
-
-    async def start(self) -> None:
-        await self.runtime.start()
-
-    async def stop(self, grace: float = 2.0) -> None:
-        await self.runtime.stop(grace)
-
 
 async def serve(cfg: PrefillConfig) -> None:
     """Runs a prefill worker until cancelled (kvmesh prefill ...)."""
-    from kvmesh.engine.async_engine import AsyncEngine
-    from kvmesh.engine.engine import LLMEngine
-    from kvmesh.index import make_index
-    from kvmesh.kvstore.client import GrpcKVStoreClient
-
-    engine = AsyncEngine(await asyncio.to_thread(LLMEngine, cfg.engine))
-    kvstore = GrpcKVStoreClient(list(cfg.kvstore))
-    index = make_index(cfg.redis_url)
-    worker = PrefillWorker(cfg, engine, kvstore, index)
-    try:
-        await worker.start()
-        await worker.runtime.wait()
-    finally:
-        await worker.stop()
-        await kvstore.close()
-        await index.close()
+    await serve_worker(cfg, PrefillWorker)
