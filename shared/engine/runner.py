@@ -51,6 +51,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg, self.device)
         self.model, self.model_config = load_model(cfg.model, self.dtype, self.device)
         self.model.eval()
+        if self.device.type == "cpu":
+            self.model.pack_for_cpu()  # fp32 only; a no-op elsewhere
         mc = self.model_config
         kv_dtype = canonical_kv_dtype(cfg.cache.kv_cache_dtype, _NAMES[self.dtype])
         self.layout = BlockLayout(num_layers=mc.num_layers, kv_heads=mc.num_kv_heads,

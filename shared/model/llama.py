@@ -16,6 +16,7 @@ from torch import nn
 from kvmesh.kernels.backend import AttentionBackend, AttentionMetadata
 from kvmesh.kv.pool import KVCache
 from kvmesh.model.config import ModelConfig
+from kvmesh.model.packed_linear import PackedLinear, pack_linears
 from kvmesh.model.rope import RotaryEmbedding
 
 
@@ -89,6 +90,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.logits_head: nn.Module | None = None  # set by pack_for_cpu: the output head, packed
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -103,8 +105,21 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits float32 [N, vocab]."""
+        if self.logits_head is not None:
+            return self.logits_head(hidden)  # float32 (packing is for float32 models only)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, w).float()
+
+    def pack_for_cpu(self) -> bool:
+        """Pre-packs every float32 linear weight and the output head for MKL's sgemm (CPU; see
+        `packed_linear.py`). Call once, after the weights are loaded: later weight copies would not
+        reach the packed copies. Returns whether it packed (False: not float32 / no MKL)."""
+        if self.embed_tokens.weight.dtype != torch.float32 or self.embed_tokens.weight.device.type != "cpu":
+            return False
+        if not pack_linears(self):
+            return False
+        self.logits_head = self.lm_head if self.lm_head is not None else PackedLinear(self.embed_tokens.weight, None)
+        return True
 
     # -- weights --------------------------------------------------------------------------------
 
