@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvmesh.kernels.backend import AttentionMetadata
-from kvmesh.kv.pool import KVCache
+from kvmesh.kernels.backend import AttentionMetadata, WritePlan
+from kvmesh.kv.pool import KVCache, LayerView
 from kvmesh.kv.quant import dequantize, quantize_blocks, store_blocks
 
 QUERY_CHUNK = 512  # query rows per SDPA call after a cached prefix: bounds the [chunk, ctx] mask
@@ -41,9 +41,13 @@ class _DecodePlan:
     """int64 [G * nfull]: full pages, sequence-major; short tables padded with page 0 (masked)."""
     nfull: int
     """Most full pages of any of them."""
+    seq: torch.Tensor
+    """int64 [G]: 0..G-1..."""
+    off: torch.Tensor
+    """int64 [G]: ...and where each one's own token sits in its residual block (prefix % bs)."""
     bias: torch.Tensor
-    """float32 [G, nfull * bs + bs + 1]: 0 where a key may be attended, -inf elsewhere
-    (keys: pages, residual tail, own token)."""
+    """float32 [G, nfull * bs + bs]: 0 where a key may be attended, -inf elsewhere
+    (keys: pages, then the residual block up to and including the own token)."""
 
 
 @dataclass(frozen=True)
@@ -95,12 +99,13 @@ def build_step_plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
         full = p // bs
         nfull = int(full.max())
         table = meta.block_tables[idx, :nfull].long().clamp(min=0)  # [G, nfull]
-        pos = torch.arange(nfull * bs + bs + 1, device=dev)[None, :]  # [1, Ltot] key positions
+        off = p % bs
+        pos = torch.arange(nfull * bs + bs, device=dev)[None, :]  # [1, Ltot] key positions
         allowed = torch.where(pos < nfull * bs, pos < (full * bs)[:, None],  # pages
-                              pos - nfull * bs < (p % bs)[:, None])  # residual tail (+ own token)
-        allowed[:, -1] = True
+                              pos - nfull * bs <= off[:, None])  # residual tail and own token
         bias = torch.zeros(allowed.shape, device=dev).masked_fill_(~allowed, float("-inf"))
-        decode = _DecodePlan(rows, meta.residual_slots.long()[idx], table.flatten(), nfull, bias)
+        decode = _DecodePlan(rows, meta.residual_slots.long()[idx], table.flatten(), nfull,
+                             torch.arange(len(dec), device=dev), off, bias)
     return _StepPlan(_plan_key(meta), decode, fresh, extend)
 
 
@@ -113,30 +118,77 @@ def _heads_first(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def gather_pages(cache: KVCache, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pages `ids` (int64 [n]) of one layer, dequantized: k, v float32 [KVH, n, bs, D].
+def gather_pages(view: LayerView, kv_dtype: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pages `ids` (int64 [n]) of one layer's view, dequantized: k, v float32 [KVH, n, bs, D].
     `dequantize` takes [n, H, ...] parts; here its n is KVH and its H is our n (same broadcasts)."""
-    view = cache.layer_view(layer)
     ks = vs = None
     if view.k_scale is not None:
         ks, vs = _heads_first(view.k_scale, ids), _heads_first(view.v_scale, ids)
-    return dequantize(_heads_first(view.k, ids), _heads_first(view.v, ids), ks, vs, cache.layout.kv_dtype)
+    return dequantize(_heads_first(view.k, ids), _heads_first(view.v, ids), ks, vs, kv_dtype)
 
 
-def _gather_rows(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
-                 rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of S = cat(residual rows, new rows) -> k, v [m, KVH, D] in the residual dtype."""
-    bs = cache.layout.block_size
-    base = cache.num_residual_slots * bs
-    is_new = rows >= base
-    r = rows.clamp(max=base - 1)
-    res = cache.residual[:, layer]  # [S, 2, KVH, bs, D]
-    rk = res[:, 0][r // bs, :, r % bs]  # [m, KVH, D]
-    rv = res[:, 1][r // bs, :, r % bs]
-    n = (rows - base).clamp(min=0)
-    nk, nv = k[n].to(rk.dtype), v[n].to(rv.dtype)  # [m, KVH, D]
-    sel = is_new[:, None, None]
-    return torch.where(sel, nk, rk), torch.where(sel, nv, rv)
+@dataclass(frozen=True)
+class _RowSource:
+    """Rows of S = cat(residual rows [slots * bs], new rows [T]), resolved once per step."""
+
+    new: torch.Tensor
+    """int64 [m]: the new row of each row (0 where it is a residual row)."""
+    is_new: torch.Tensor | None
+    """bool [m, 1, 1]; None when every row is a new row."""
+    slot: torch.Tensor
+    """int64 [m]: residual slot of each row (0 where it is a new row)..."""
+    off: torch.Tensor
+    """int64 [m]: ...and the offset inside it."""
+    identity: bool
+    """The rows are new rows 0..m-1 in order: no gather at all."""
+
+    @staticmethod
+    def of(rows: torch.Tensor, num_slots: int, bs: int) -> "_RowSource":
+        base = num_slots * bs
+        is_new = rows >= base
+        r = rows.clamp(max=base - 1)
+        n = (rows - base).clamp(min=0)
+        all_new = bool(is_new.all())
+        identity = all_new and torch.equal(n, torch.arange(n.numel(), device=n.device))
+        return _RowSource(n, None if all_new else is_new[:, None, None], r // bs, r % bs, identity)
+
+    def gather(self, cache: KVCache, layer: int, k: torch.Tensor,
+               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> k, v [m, KVH, D] in the residual dtype."""
+        dt = cache.residual.dtype
+        if self.identity and k.shape[0] == self.new.numel():
+            return k.to(dt), v.to(dt)
+        nk, nv = k.index_select(0, self.new).to(dt), v.index_select(0, self.new).to(dt)  # [m, KVH, D]
+        if self.is_new is None:
+            return nk, nv
+        res = cache.residual[:, layer]  # [S, 2, KVH, bs, D]
+        rk = res[:, 0][self.slot, :, self.off]  # [m, KVH, D]
+        rv = res[:, 1][self.slot, :, self.off]
+        return torch.where(self.is_new, nk, rk), torch.where(self.is_new, nv, rv)
+
+
+@dataclass(frozen=True)
+class _WriteSteps:
+    """A `WritePlan` resolved once per step."""
+
+    block_ids: torch.Tensor
+    """int64 [nb]: pages of the blocks completed this step (padding dropped)."""
+    blocks: _RowSource | None
+    """Their rows, nb * bs of them, block after block."""
+    tail: _RowSource | None
+    """Rows that stay in full precision..."""
+    tail_slot: torch.Tensor
+    """int64 [m]: ...their residual slots and offsets."""
+    tail_off: torch.Tensor
+
+    @staticmethod
+    def of(plan: WritePlan, num_slots: int, bs: int) -> "_WriteSteps":
+        keep = plan.block_ids >= 0
+        ids = plan.block_ids[keep]
+        blocks = _RowSource.of(plan.block_rows[keep].flatten(), num_slots, bs) if ids.numel() else None
+        tail = _RowSource.of(plan.residual_src, num_slots, bs) if plan.residual_src.numel() else None
+        dst = plan.residual_dst
+        return _WriteSteps(ids, blocks, tail, dst // bs, dst % bs)
 
 
 class TorchBackend:
@@ -145,14 +197,32 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self) -> None:
-        self._plan: _StepPlan | None = None  # the current step's, reused by every layer
-        self._plan_meta: AttentionMetadata | None = None  # held so its id is not reused
+        # per-step index math, reused by every layer of the step; the inputs are held so that
+        # identity comparisons stay valid (an id is never reused while its object lives)
+        self._plan: _StepPlan | None = None
+        self._plan_meta: AttentionMetadata | None = None
+        self._write: tuple[WritePlan, KVCache, _WriteSteps] | None = None
+        self._views: tuple[KVCache, torch.Tensor, dict[int, LayerView]] | None = None
 
     def _step_plan(self, meta: AttentionMetadata, block_size: int) -> _StepPlan:
         if self._plan is None or self._plan.key != _plan_key(meta) or self._plan_meta is not meta:
             self._plan = build_step_plan(meta, block_size)
             self._plan_meta = meta
         return self._plan
+
+    def _write_steps(self, plan: WritePlan, cache: KVCache) -> _WriteSteps:
+        if self._write is None or self._write[0] is not plan or self._write[1] is not cache:
+            self._write = (plan, cache, _WriteSteps.of(plan, cache.num_residual_slots, cache.layout.block_size))
+        return self._write[2]
+
+    def _layer_view(self, cache: KVCache, layer: int) -> LayerView:
+        """Typed page views of one layer, built once per cache (they are views: no copies)."""
+        if self._views is None or self._views[0] is not cache or self._views[1] is not cache.pool:
+            self._views = (cache, cache.pool, {})
+        views = self._views[2]
+        if layer not in views:
+            views[layer] = cache.layer_view(layer)
+        return views[layer]
 
     def attend(self, cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -163,11 +233,14 @@ class TorchBackend:
         for n, runs in plan.fresh.items():
             self._attend_fresh(q, k, v, runs, n, scale, out)
         for run in plan.extend:
-            self._attend_extend(cache, layer, q, k, v, meta, run, scale, out)
+            view = self._layer_view(cache, layer)
+            self._attend_extend(cache, view, layer, q, k, v, meta, run, scale, out)
         return out
 
     def _attend_decode(self, cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, d: _DecodePlan, scale: float, out: torch.Tensor) -> None:
+        """Keys: full pages, then the residual block with the own token put at its offset (in a
+        private copy of the residual rows; the cache changes only in `write`)."""
         L = cache.layout
         bs, KVH, D = L.block_size, L.kv_heads, L.head_dim
         H = q.shape[1]
@@ -175,20 +248,21 @@ class TorchBackend:
         if d.rows is not None:
             q, k, v = q.index_select(0, d.rows), k.index_select(0, d.rows), v.index_select(0, d.rows)
         Q = (q.float().reshape(G, KVH, H // KVH, D) * scale).transpose(0, 1)  # [KVH, G, R, D]
-        res = cache.residual[:, layer].index_select(0, d.slots).float()  # [G, 2, KVH, bs, D]
-        kr, vr = res[:, 0].transpose(0, 1), res[:, 1].transpose(0, 1)  # [KVH, G, bs, D]
-        kn, vn = k.float().transpose(0, 1)[:, :, None], v.float().transpose(0, 1)[:, :, None]  # [KVH, G, 1, D]
-        parts = [torch.matmul(Q, kr.transpose(-1, -2)), torch.matmul(Q, kn.transpose(-1, -2))]
+        res = cache.residual[:, layer].flatten(1, 2)  # [S, 2 * KVH, bs, D]
+        res = _heads_first(res, d.slots).float()  # [2 * KVH, G, bs, D], a copy
+        kr, vr = res[:KVH], res[KVH:]  # [KVH, G, bs, D]
+        kr[:, d.seq, d.off] = k.float().transpose(0, 1)  # own token: [KVH, G, D]
+        vr[:, d.seq, d.off] = v.float().transpose(0, 1)
+        scores = torch.matmul(Q, kr.transpose(-1, -2))  # [KVH, G, R, bs]
         if d.nfull:
-            kp, vp = gather_pages(cache, layer, d.page_ids)  # [KVH, G * nfull, bs, D]
+            kp, vp = gather_pages(self._layer_view(cache, layer), L.kv_dtype, d.page_ids)  # [KVH, G*nfull, bs, D]
             kp = kp.view(KVH, G, d.nfull * bs, D)
             vp = vp.view(KVH, G, d.nfull * bs, D)
-            parts.insert(0, torch.matmul(Q, kp.transpose(-1, -2)))
-        scores = torch.cat(parts, dim=-1)  # [KVH, G, R, Ltot]
+            scores = torch.cat([torch.matmul(Q, kp.transpose(-1, -2)), scores], dim=-1)  # [KVH, G, R, Ltot]
         probs = torch.softmax(scores.add_(d.bias[None, :, None, :]), dim=-1)
-        o = torch.matmul(probs[..., -bs - 1:-1], vr).add_(probs[..., -1:] * vn)  # [KVH, G, R, D]
+        o = torch.matmul(probs[..., -bs:], vr)  # [KVH, G, R, D]
         if d.nfull:
-            o.add_(torch.matmul(probs[..., :d.nfull * bs], vp))
+            o.add_(torch.matmul(probs[..., :-bs], vp))
         o = o.transpose(0, 1).reshape(G, H, D)
         if d.rows is None:
             out.copy_(o)
@@ -212,8 +286,8 @@ class TorchBackend:
         out[rows] = o.transpose(1, 2).reshape(G * n, H, D).to(out.dtype)
 
     @staticmethod
-    def _attend_extend(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       meta: AttentionMetadata, r: _Run, scale: float, out: torch.Tensor) -> None:
+    def _attend_extend(cache: KVCache, view: LayerView, layer: int, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, meta: AttentionMetadata, r: _Run, scale: float, out: torch.Tensor) -> None:
         """A run of new tokens after a cached prefix: context = pages ++ residual tail ++ new rows."""
         bs = cache.layout.block_size
         nfull, tail = divmod(r.prefix, bs)
@@ -221,7 +295,8 @@ class TorchBackend:
         res = cache.residual[slot, layer, :, :, :tail].float()  # [2, KVH, tail, D]
         ks, vs = [res[0]], [res[1]]
         if nfull:
-            kp, vp = gather_pages(cache, layer, meta.block_tables[r.seq, :nfull].long())  # [KVH, nfull, bs, D]
+            table = meta.block_tables[r.seq, :nfull].long()
+            kp, vp = gather_pages(view, cache.layout.kv_dtype, table)  # [KVH, nfull, bs, D]
             ks.insert(0, kp.flatten(1, 2))
             vs.insert(0, vp.flatten(1, 2))
         new = slice(r.start, r.start + r.n)
@@ -240,23 +315,18 @@ class TorchBackend:
 
     def write(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
               meta: AttentionMetadata) -> None:
-        plan = meta.write
+        w = self._write_steps(meta.write, cache)
         bs = cache.layout.block_size
-        keep = plan.block_ids >= 0
-        ids = plan.block_ids[keep]
-        rows = plan.block_rows[keep]  # [nb, bs]
-        blocks = None
-        if ids.numel():
-            bk, bv = _gather_rows(cache, layer, k, v, rows.flatten())
-            shape = (ids.numel(), bs) + tuple(bk.shape[1:])
+        blocks = tail = None
+        if w.blocks is not None:
+            bk, bv = w.blocks.gather(cache, layer, k, v)  # [nb * bs, KVH, D]
+            shape = (w.block_ids.numel(), bs) + tuple(bk.shape[1:])
             blocks = quantize_blocks(bk.view(shape), bv.view(shape), cache.layout.kv_dtype)
-        tail = None
-        if plan.residual_src.numel():
-            tail = _gather_rows(cache, layer, k, v, plan.residual_src)
+        if w.tail is not None:
+            tail = w.tail.gather(cache, layer, k, v)
         if blocks is not None:
-            store_blocks(cache.layer_view(layer), ids, blocks)
+            store_blocks(self._layer_view(cache, layer), w.block_ids, blocks)
         if tail is not None:
-            dst = plan.residual_dst
             res = cache.residual[:, layer]  # [S, 2, KVH, bs, D] (a view: writes land in the cache)
-            res[:, 0][dst // bs, :, dst % bs] = tail[0]
-            res[:, 1][dst // bs, :, dst % bs] = tail[1]
+            res[:, 0][w.tail_slot, :, w.tail_off] = tail[0]
+            res[:, 1][w.tail_slot, :, w.tail_off] = tail[1]
