@@ -27,6 +27,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, dim]
+        if x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] >= 64:
+            # torch's fused CPU kernel is ~3x slower than these four ops on prompt-sized inputs
+            # (2048 x 576: 6.4 vs 2.2 ms) and gives the same fp32 values (HF's formula)
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(self.eps)))
         # one fused op (a single kernel on CUDA; statistics in float32 for half types). HF instead
         # rounds the normalized x to the model dtype before the weight: in bf16 the two differ by
         # about one bf16 ulp, in fp32 not at all.
@@ -64,7 +68,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))  # in place: one [T, I] buffer less
 
 
 class DecoderLayer(nn.Module):

@@ -1,5 +1,6 @@
-"""MKL pre-packed fp32 linears (`kvmesh.model.packed_linear`): same results as `F.linear` at every
-row count (one pack serves them all), and a packed Llama computes the same logits."""
+"""The model's CPU fast paths give the same numbers as the plain ops: MKL pre-packed fp32 linears
+(`kvmesh.model.packed_linear`) at every row count (one pack serves them all), and `RMSNorm`'s
+composite path for prompt-sized fp32 inputs (bit-identical to `F.rms_norm`)."""
 from __future__ import annotations
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvmesh.model.llama import RMSNorm
 from kvmesh.model.packed_linear import PackedLinear, mkl_packing_works, pack_linears
 
 torch.set_num_threads(1)
@@ -52,3 +54,13 @@ def test_pack_linears_swaps_only_fp32_cpu_linears():
 def test_packed_linear_rejects_non_fp32_weight():
     with pytest.raises(ValueError, match="float32"):
         PackedLinear(torch.zeros(4, 4, dtype=torch.bfloat16), None)
+
+
+@pytest.mark.parametrize("rows", [1, 63, 64, 2048])
+def test_rms_norm_prompt_path_is_bit_identical(rows):
+    gen = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data.copy_(torch.randn(576, generator=gen))
+    for scale in (1e-3, 1.0, 50.0):
+        x = torch.randn(rows, 576, generator=gen) * scale
+        assert torch.equal(norm(x), F.rms_norm(x, (576,), norm.weight, 1e-5))
