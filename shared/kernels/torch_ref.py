@@ -3,10 +3,11 @@
 attend: for each sequence, its context = dequantized full pages ++ residual tail ++ its new K/V;
 causal attention with GQA, softmax and accumulation in float32. The step's index math (which rows
 decode, which pages to read, the key masks) is done once per step in a `_StepPlan` and reused by
-every layer. Three paths:
+every layer; so are the write plan and the layer's page views. Three paths:
   - decode (one new token): all such sequences at once; pages are gathered heads first
-    ([KVH, G, pages * bs, D], one row copy per page and head), scored with one batched matmul per
-    part (pages, residual tail, own token) and softmaxed together under an additive key mask;
+    ([KVH, G, pages * bs, D], one row copy per page and head, no transposing copy), the residual
+    block likewise with the own token put at its offset (a private copy); one batched matmul per
+    part (pages, residual block), softmaxed together under an additive key mask;
   - a fresh prompt run (no cached prefix): one `scaled_dot_product_attention(is_causal=True)` per
     group of equal-length runs;
   - a run after a cached prefix: one SDPA per query chunk over the assembled context with an
