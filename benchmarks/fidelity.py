@@ -7,6 +7,7 @@ precision (the residual tail). Baseline: the same run with unquantized (fp32) KV
 
     python benchmarks/fidelity.py                 # ~50k tokens (50 windows), all dtypes
     python benchmarks/fidelity.py --windows 4     # quick look
+    python benchmarks/fidelity.py --windows 0     # greedy agreement only
 """
 from __future__ import annotations
 
@@ -114,12 +115,12 @@ def main() -> None:
     tok = Tokenizer.from_model("smollm2")
     tokens = tok.encode(stdlib_docstrings(), add_special_tokens=False)
     win = windows(tokens, args.windows, args.window_size)
-    model, cfg = load_model("smollm2", torch.float32, "cpu")
+    model, cfg = load_model("smollm2", torch.float32, "cpu")  # cfg also sizes the capacity column
     print(f"corpus: {win.numel()} tokens in {args.windows} windows of {args.window_size}; "
           f"block size {args.block_size}", flush=True)
 
     ppl = {}
-    for d in dtypes:
+    for d in dtypes if args.windows else ():
         t0 = time.perf_counter()
         ppl[d] = perplexity(model, cfg, win, d, args.block_size, args.batch)
         print(f"  {d:9s} perplexity {ppl[d]:.4f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -129,13 +130,14 @@ def main() -> None:
         prompts = [d[:400] for d in docs[:: max(1, len(docs) // args.greedy_prompts)][: args.greedy_prompts]]
         agree = greedy_agreement(prompts, dtypes, args.greedy_tokens)
 
-    base = ppl[dtypes[0]]
+    base = ppl.get(dtypes[0], float("nan"))
     print(f"\n| KV dtype | perplexity | Δ vs {dtypes[0]} | capacity vs fp16 (4,096-token seqs) "
           f"| greedy agreement ({args.greedy_tokens} tok) | identical continuations |")
     print("|---|---|---|---|---|---|")
     for d in dtypes:
         a = agree.get(d)
-        print(f"| {d} | {ppl[d]:.4f} | {100 * (ppl[d] / base - 1):+.2f} % | "
+        p = ppl.get(d, float("nan"))
+        print(f"| {d} | {p:.4f} | {100 * (p / base - 1):+.2f} % | "
               f"{capacity_ratio(cfg, d, args.block_size):.2f}× | "
               f"{'' if a is None else f'{100 * a[0]:.1f} %'} | "
               f"{'' if a is None else f'{a[1]}/{args.greedy_prompts}'} |")
