@@ -10,7 +10,7 @@ from kvmesh.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.outputs import ResumeState
 from kvmesh.engine.sampling_params import SamplingParams
-from test_engine_models import make_tiny_model, random_prompts
+from test_engine_models import run_to_completion, make_tiny_model, random_prompts
 
 torch.set_num_threads(1)  # 2 shared cores: more threads only add contention
 NEW = 24
@@ -30,13 +30,7 @@ def make(model: str, kv_dtype: str) -> LLMEngine:
 
 
 def finish(eng: LLMEngine) -> dict:
-    final = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.finished:
-                final[o.request_id] = o
-    eng.kv.check_integrity()
-    return final
+    return run_to_completion(eng)
 
 
 def prefill(eng: LLMEngine, prompt: list[int], logprobs=None):

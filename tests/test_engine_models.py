@@ -87,3 +87,15 @@ def random_prompts(n: int, lo: int, hi: int, seed: int, vocab: int = VOCAB - 1) 
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
     return [torch.randint(1, vocab, (L,), generator=g).tolist() for L in lens]
+
+
+def run_to_completion(eng) -> dict:
+    """Steps an LLMEngine until nothing is left; the final output of each request, by id. Checks the
+    allocator's integrity at the end."""
+    final = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                final[o.request_id] = o
+    eng.kv.check_integrity()
+    return final

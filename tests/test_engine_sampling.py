@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from kvmesh.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.sampling_params import SamplingParams
-from test_engine_models import hf_logits, make_tiny_model, random_prompts
+from test_engine_models import run_to_completion, hf_logits, make_tiny_model, random_prompts
 
 torch.set_num_threads(1)  # 2 shared cores: more threads only add contention
 
@@ -30,13 +29,7 @@ def make(model: str, **sched) -> LLMEngine:
 def run(eng: LLMEngine, reqs: dict) -> dict:
     for rid, (prompt, params) in reqs.items():
         eng.add_request(rid, prompt, params)
-    final = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.finished:
-                final[o.request_id] = o
-    eng.kv.check_integrity()
-    return final
+    return run_to_completion(eng)
 
 
 def test_seed_reproducible_and_independent_of_the_batch(tiny):

@@ -8,7 +8,7 @@ import torch
 from kvmesh.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.sampling_params import SamplingParams
-from test_engine_models import make_tiny_model, random_prompts
+from test_engine_models import run_to_completion, make_tiny_model, random_prompts
 
 torch.set_num_threads(1)  # 2 shared cores: more threads only add contention
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -29,13 +29,7 @@ def make(model_dir, blocks=512, **sched) -> LLMEngine:
 
 
 def drain(eng: LLMEngine) -> dict:
-    final = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.finished:
-                final[o.request_id] = o
-    eng.kv.check_integrity()
-    return final
+    return run_to_completion(eng)
 
 
 def test_repeated_prompt_computes_only_its_tail(model_dir):

@@ -14,7 +14,6 @@ from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata
 from kvmesh.kernels.torch_ref import TorchBackend
 from kvmesh.kv.layout import BlockLayout
 from kvmesh.kv.pool import KVCache
-from kvmesh.model.config import load_model_config
 from kvmesh.model.loader import load_model
 
 BLOCK = 16

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 from concurrent import futures
 from types import SimpleNamespace
 

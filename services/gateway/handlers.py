@@ -6,14 +6,13 @@ import logging
 import time
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Optional
 
 import jinja2
 from aiohttp import web
 
 from kvmesh.gateway import responses as R
 from kvmesh.gateway import sse
-from kvmesh.gateway.app import GATEWAY, Gateway, error_response, read_json
+from kvmesh.gateway.app import GATEWAY, Gateway, read_json
 from kvmesh.gateway.dispatcher import merge, new_request_id
 from kvmesh.gateway.openai_api import (ApiError, CommonRequest, parse_chat, parse_completion,
                                        parse_detokenize, parse_tokenize)

@@ -18,7 +18,7 @@ from kvmesh.engine.runner import ModelRunner, StepRows
 from kvmesh.engine.sampler import SampleRow, Sampler, prompt_logprobs
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import ScheduledBatch, Scheduler, SchedulerLimits
-from kvmesh.engine.sequence import Request, Sequence, Status
+from kvmesh.engine.sequence import Request, Sequence
 from kvmesh.engine.stats import EngineStats
 from kvmesh.hashing import HashContext
 from kvmesh.kernels.metadata import SeqSlice

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvmesh.kv.layout import INT4_GROUP, BlockLayout
+from kvmesh.kv.layout import BlockLayout
 from kvmesh.kv.pool import KVCache
 
 # Format codes shared by every kernel in this package (constexpr switches).
