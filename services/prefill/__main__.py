@@ -3,4 +3,5 @@ import sys
 
 from kvmesh.cli import main
 
-sys.exit(main(["prefill", *sys.argv[1:]]))
+if __name__ == "__main__":
+    sys.exit(main(["prefill", *sys.argv[1:]]))
