@@ -13,32 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kvmesh.kernels.formats import FMT_CODES, fp16_round_scale, rint_even, to_bf16_rne
+from kvmesh.kernels.int4_codec import store_int4_k, store_int4_v
 from kvmesh.kv.layout import BlockLayout
 from kvmesh.kv.pool import KVCache
-
-# Format codes shared by every kernel in this package (constexpr switches).
-FMT_FP32, FMT_FP16, FMT_BF16, FMT_E4M3, FMT_E5M2, FMT_INT8, FMT_INT4 = range(7)
-FMT_CODES = {"fp32": FMT_FP32, "fp16": FMT_FP16, "bf16": FMT_BF16, "fp8_e4m3": FMT_E4M3,
-             "fp8_e5m2": FMT_E5M2, "int8": FMT_INT8, "int4": FMT_INT4}
-
-@triton.jit
-def _rint(y):
-    """Round half-to-even for |y| < 2**22: adding 1.5 * 2**23 leaves no fraction bits."""
-    return (y + 12582912.0) - 12582912.0
-
-
-@triton.jit
-def to_bf16_rne(x):
-    """fp32 -> bf16 rounding half-to-even with integer ops (Triton's interpreter truncates)."""
-    b = x.to(tl.uint32, bitcast=True)
-    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _fp16_round(s):
-    """A positive fp32 scale rounded through fp16, as `quant._round_scale` does."""
-    s = tl.minimum(s, 65504.0).to(tl.float16).to(tl.float32)
-    return tl.maximum(s, 5.960464477539063e-08)
 
 
 @triton.jit
@@ -86,7 +64,7 @@ def _fp8_encode(y, FMT: tl.constexpr):
     normal = (r >> DROP) - ((127 - BIAS) << MANT)
     # below the smallest normal (2**(1 - BIAS)): a multiple of the subnormal step 2**(1 - BIAS - MANT)
     STEP_INV: tl.constexpr = 2.0 ** (BIAS - 1 + MANT)
-    sub = _rint(tl.abs(y) * STEP_INV)  # exact: a power-of-two multiply
+    sub = rint_even(tl.abs(y) * STEP_INV)  # exact: a power-of-two multiply
     is_sub = a < ((128 - BIAS) << 23)  # exponent below 1 - BIAS
     code = tl.where(is_sub, sub.to(tl.uint32), normal)
     return (code | sign).to(tl.uint8)
@@ -110,63 +88,14 @@ def _store_fp8(pool_ptr, base, scale_base, head, x, FMT: tl.constexpr, BS: tl.co
 @triton.jit
 def _store_int8(pool_ptr, base, scale_base, head, x, BS: tl.constexpr, D: tl.constexpr):
     """Symmetric, one fp16 scale per (token, head)."""
-    s = _fp16_round(tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-6), 127.0))  # [BS]
-    q = tl.minimum(tl.maximum(_rint(tl.math.div_rn(x, s[:, None])), -127.0), 127.0)
+    s = fp16_round_scale(tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-6), 127.0))  # [BS]
+    q = tl.minimum(tl.maximum(rint_even(tl.math.div_rn(x, s[:, None])), -127.0), 127.0)
     t = tl.arange(0, BS)
     d = tl.arange(0, D)
     p8 = pool_ptr.to(tl.pointer_type(tl.int8), bitcast=True)
     tl.store(p8 + base + (head * BS + t)[:, None] * D + d[None, :], q.to(tl.int8))
     ps = pool_ptr.to(tl.pointer_type(tl.float16), bitcast=True)
     tl.store(ps + scale_base // 2 + head * BS + t, s.to(tl.float16))
-
-
-@triton.jit
-def _int4_q(x, m, s):
-    return tl.minimum(tl.maximum(_rint(tl.math.div_rn(x - m, s)), 0.0), 15.0).to(tl.int32)
-
-
-@triton.jit
-def _store_int4_k(pool_ptr, base, scale_base, head, xe, xo, BS: tl.constexpr, D: tl.constexpr):
-    """Keys per channel over the block: s, m [D] fp16. xe/xo: even/odd channels [BS, D // 2]."""
-    HALF: tl.constexpr = D // 2
-    me, mo = tl.min(xe, axis=0), tl.min(xo, axis=0)  # [HALF]
-    se = _fp16_round(tl.maximum(tl.math.div_rn(tl.max(xe, axis=0) - me, 15.0), 1e-6))
-    so = _fp16_round(tl.maximum(tl.math.div_rn(tl.max(xo, axis=0) - mo, 15.0), 1e-6))
-    me = tl.minimum(tl.maximum(me, -65504.0), 65504.0).to(tl.float16).to(tl.float32)
-    mo = tl.minimum(tl.maximum(mo, -65504.0), 65504.0).to(tl.float16).to(tl.float32)
-    packed = _int4_q(xe, me[None, :], se[None, :]) | (_int4_q(xo, mo[None, :], so[None, :]) << 4)
-    t = tl.arange(0, BS)
-    j = tl.arange(0, HALF)
-    tl.store(pool_ptr + base + (head * BS + t)[:, None] * HALF + j[None, :], packed.to(tl.uint8))
-    ps = pool_ptr.to(tl.pointer_type(tl.float16), bitcast=True) + scale_base // 2 + head * 2 * D
-    tl.store(ps + 2 * j, se.to(tl.float16))
-    tl.store(ps + 2 * j + 1, so.to(tl.float16))
-    tl.store(ps + D + 2 * j, me.to(tl.float16))
-    tl.store(ps + D + 2 * j + 1, mo.to(tl.float16))
-
-
-@triton.jit
-def _store_int4_v(pool_ptr, base, scale_base, head, xe, xo, BS: tl.constexpr, D: tl.constexpr):
-    """Values per token in groups of 32 channels: s, m [BS, G] fp16."""
-    HALF: tl.constexpr = D // 2
-    G: tl.constexpr = D // 32
-    xe3 = tl.reshape(xe, (BS, G, 16))
-    xo3 = tl.reshape(xo, (BS, G, 16))
-    lo = tl.minimum(tl.min(xe3, axis=2), tl.min(xo3, axis=2))  # [BS, G]
-    hi = tl.maximum(tl.max(xe3, axis=2), tl.max(xo3, axis=2))
-    s = _fp16_round(tl.maximum(tl.math.div_rn(hi - lo, 15.0), 1e-6))
-    m = tl.minimum(tl.maximum(lo, -65504.0), 65504.0).to(tl.float16).to(tl.float32)
-    qe = _int4_q(xe3, m[:, :, None], s[:, :, None])
-    qo = _int4_q(xo3, m[:, :, None], s[:, :, None])
-    packed = tl.reshape(qe | (qo << 4), (BS, HALF))
-    t = tl.arange(0, BS)
-    j = tl.arange(0, HALF)
-    tl.store(pool_ptr + base + (head * BS + t)[:, None] * HALF + j[None, :], packed.to(tl.uint8))
-    g = tl.arange(0, G)
-    ps = pool_ptr.to(tl.pointer_type(tl.float16), bitcast=True) + scale_base // 2
-    row = ((head * BS + t) * 2)[:, None] * G + g[None, :]  # [BS, G]
-    tl.store(ps + row, s.to(tl.float16))
-    tl.store(ps + row + G, m.to(tl.float16))
 
 
 @triton.jit
@@ -199,8 +128,8 @@ def _cache_write_kernel(
             ko = _gather_rows(res_ptr, k_ptr, rows, slot_stride, res_layer_off, stride_kt, head, 0, R, KVH, BS, ev + 1, D)
             ve = _gather_rows(res_ptr, v_ptr, rows, slot_stride, res_layer_off, stride_vt, head, 1, R, KVH, BS, ev, D)
             vo = _gather_rows(res_ptr, v_ptr, rows, slot_stride, res_layer_off, stride_vt, head, 1, R, KVH, BS, ev + 1, D)
-            _store_int4_k(pool_ptr, base, base + KS_OFF, head, ke, ko, BS, D)
-            _store_int4_v(pool_ptr, base + V_OFF, base + VS_OFF, head, ve, vo, BS, D)
+            store_int4_k(pool_ptr, base, base + KS_OFF, head, ke, ko, BS, D)
+            store_int4_v(pool_ptr, base + V_OFF, base + VS_OFF, head, ve, vo, BS, D)
         else:
             d = tl.arange(0, D)
             kx = _gather_rows(res_ptr, k_ptr, rows, slot_stride, res_layer_off, stride_kt, head, 0, R, KVH, BS, d, D)

@@ -27,8 +27,9 @@ import triton
 import triton.language as tl
 
 from kvmesh.kernels.backend import AttentionMetadata
-from kvmesh.kernels.cache_write import (FMT_BF16, FMT_CODES, FMT_E4M3, FMT_E5M2, FMT_FP16, FMT_FP32,
-                                        FMT_INT8, to_bf16_rne)
+from kvmesh.kernels.formats import (FMT_BF16, FMT_CODES, FMT_E4M3, FMT_E5M2, FMT_FP16, FMT_FP32, FMT_INT8,
+                                    to_bf16_rne)
+from kvmesh.kernels.int4_codec import load_int4_tile
 from kvmesh.kv.pool import KVCache
 
 LOG2E = math.log2(math.e)
@@ -83,26 +84,7 @@ def _load_page_tile(pool_ptr, base, tok, n_mask, head, DATA_OFF: tl.constexpr,
         s = tl.load(ps + (base + SCALE_OFF) // 2 + row, mask=n_mask, other=0.0).to(tl.float32)
         return x.to(DOT), s
     else:
-        HALF: tl.constexpr = D // 2
-        j = tl.arange(0, HALF)
-        b = tl.load(pool_ptr + (base + DATA_OFF + row * HALF)[:, None] + j[None, :], mask=m2, other=0)
-        b = b.to(tl.uint16)
-        lo = ((b & 0xF) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
-        hi = ((b >> 4) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
-        q = tl.reshape(tl.join(lo, hi), (lo.shape[0], D))  # [N, D], even/odd channels interleaved
-        ps = pool_ptr.to(tl.pointer_type(tl.float16), bitcast=True)
-        sb = (base + SCALE_OFF) // 2
-        if IS_KEY:  # [KVH, 2, D]: per channel over the page
-            so = (sb + head * 2 * D)[:, None] + d[None, :]
-            s = tl.load(ps + so, mask=m2, other=0.0)
-            mn = tl.load(ps + so + D, mask=m2, other=0.0)
-        else:  # [KVH, BS, 2, D // 32]: per token, groups of 32 channels
-            G: tl.constexpr = D // 32
-            so = (sb + row * 2 * G)[:, None] + (d // 32)[None, :]
-            s = tl.load(ps + so, mask=m2, other=0.0)
-            mn = tl.load(ps + so + G, mask=m2, other=0.0)
-        x = q.to(DOT) * s.to(DOT) + mn.to(DOT)
-        return x, one
+        return load_int4_tile(pool_ptr, base, row, n_mask, head, DATA_OFF, SCALE_OFF, IS_KEY, D, DOT), one
 
 
 @triton.jit
