@@ -1,8 +1,9 @@
 """Kernel benchmark (H200): paged decode per KV dtype vs torch SDPA, cache write, prefill/extend.
 
-    python benchmarks/kernels.py [--quick] [--sweep] [--out results.md]
+    python benchmarks/kernels.py [--quick] [--out results.md]
 
-Everything is measured in one run with CUDA events (median of --reps). Decode: 32 query heads,
+Everything is measured in one run: 10 calls captured in a CUDA graph, replays timed with CUDA events
+(median of --reps), so host launch costs stay out for SDPA and our kernels alike. Decode: 32 query heads,
 8 KV heads, head_dim 128, block 16, pages in random order, one layer. Columns: time, effective TB/s
 (bytes of KV pages incl. scales + q + out, divided by time), % of the read bandwidth measured here
 (torch.sum over 4 GiB), speedup vs SDPA(enable_gqa=True) over contiguous fp16 K/V of the same shape,
@@ -50,28 +51,45 @@ from kvmesh.kv.pool import KVCache  # noqa: E402
 H, KVH, D, BS = 32, 8, 128, 16
 DECODE_CASES = [(64, 4096), (16, 16384), (256, 1024), (8, 32768)]
 KV_DTYPES = ["fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
-SWEEP = [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (32, 64) for w in (2, 4) for st in (1, 2, 3)
-         ] + [dict(block_n=64, native_cvt=True), dict(block_n=128, num_warps=8),
-              dict(block_n=64, maxnreg=96), dict(block_n=64, maxnreg=80), dict(block_n=32, maxnreg=64)]
 
 
 def log(*a) -> None:
     print(*a, flush=True)
 
 
-def time_ms(fn, reps: int, warmup: int = 3) -> float:
-    """Median milliseconds of `fn` over `reps` runs, each timed with its own CUDA events."""
+def time_ms(fn, reps: int, warmup: int = 3, calls: int = 10) -> float:
+    """Median milliseconds per call of `fn`: `calls` back-to-back calls captured in one CUDA graph,
+    replayed `reps` times between CUDA events. The graph takes the host's launch cost (Python
+    launchers run 20-50 us) out of the number, for SDPA and our kernels alike; a function that cannot
+    be captured is timed call by call instead."""
     for _ in range(warmup):
         fn()
+    torch.cuda.synchronize()
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        run, per = graph.replay, calls
+    except Exception as e:  # not capturable: time each call (includes launch cost)
+        log(f"    (no CUDA graph: {type(e).__name__}: {str(e)[:120]})")
+        torch.cuda.synchronize()
+        run, per = fn, 1
+    run()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        run()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / per)
     return statistics.median(times)
 
 
@@ -111,7 +129,7 @@ def decode_meta(batch: int, ctx: int, perm: torch.Tensor, layout: BlockLayout):
     return build_attention_metadata(seqs, layout, 1, "cuda")
 
 
-def bench_decode(batch: int, ctx: int, reps: int, read_tbs: float, rows: list, sweep: list[str]) -> None:
+def bench_decode(batch: int, ctx: int, reps: int, read_tbs: float, rows: list) -> None:
     n_pages = batch * ctx // BS
     g = torch.Generator(device="cuda").manual_seed(batch * ctx)
     k_rows = torch.randn(n_pages * BS, KVH, D, device="cuda", dtype=torch.float16, generator=g)
@@ -143,16 +161,6 @@ def bench_decode(batch: int, ctx: int, reps: int, read_tbs: float, rows: list, s
             rows.append((f"{batch}x{ctx}", f"paged {kv} (splits {splits})", t, nbytes / t / 1e9,
                          nbytes / t / 1e9 / read_tbs, t_sdpa / t, ideal))
             log(f"  {kv:9s} {batch}x{ctx}: {t:.3f} ms  {t_sdpa / t:.2f}x sdpa  (ideal {ideal:.2f}x, splits {splits})")
-            if kv in sweep:
-                for cfg in SWEEP:
-                    if cfg.get("native_cvt") and kv in ("fp16", "bf16", "int4"):
-                        continue
-                    cfg = {"splits": splits, **cfg}
-                    try:
-                        ts = time_ms(lambda: decode_attention(cache, 0, q, kn, vn, meta, scale, **cfg), reps)
-                        log(f"    sweep {kv} {cfg}: {ts:.3f} ms ({t_sdpa / ts:.2f}x)")
-                    except Exception as e:  # one config costs one line
-                        log(f"    sweep {kv} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}")
             del cache
         except Exception:  # one failed dtype costs one row
             log(f"  {kv} {batch}x{ctx} FAILED:\n{traceback.format_exc()}")
@@ -247,9 +255,7 @@ def table(rows: list, read_tbs: float, copy_tbs: float) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one decode case, fewer repetitions")
-    ap.add_argument("--sweep", action="store_true", help="also time block_n x warps x stages (first decode case)")
     ap.add_argument("--cases", type=str, default=None, help="decode case indices, e.g. 0,3 (default all)")
-    ap.add_argument("--sweep-dtypes", type=str, default="fp16,fp8_e4m3,int8,int4", help="dtypes for --sweep")
     ap.add_argument("--skip", type=str, default="", help="comma list of parts to skip: decode,write,prefill")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement")
     ap.add_argument("--out", type=Path, default=None, help="also write the markdown table here")
@@ -267,11 +273,10 @@ def main() -> None:
     cases = DECODE_CASES[:1] if args.quick else DECODE_CASES
     if args.cases:
         cases = [DECODE_CASES[int(i)] for i in args.cases.split(",")]
-    sweep = args.sweep_dtypes.split(",") if args.sweep else []
     for i, (batch, ctx) in enumerate([] if "decode" in skip else cases):
         log(f"decode {batch}x{ctx} ({time.time() - t0:.0f} s)")
         try:
-            bench_decode(batch, ctx, reps, read_tbs, rows, sweep if i == 0 else [])
+            bench_decode(batch, ctx, reps, read_tbs, rows)
         except Exception:
             log(f"decode {batch}x{ctx} FAILED:\n{traceback.format_exc()}")
         torch.cuda.empty_cache()
