@@ -8,6 +8,9 @@ some fp8 scales by one ulp (measured on the H200), while layout.py specifies a t
 """
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import pytest
 import torch
 
@@ -16,7 +19,7 @@ from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata, pad_writ
 from kvmesh.kernels.torch_ref import TorchBackend
 from kvmesh.kernels.triton_backend import TritonBackend
 from kvmesh.kv.layout import BlockLayout
-from kvmesh.kv.pool import KVCache
+from kvmesh.kv.pool import STORAGE_DTYPES, KVCache
 from kvmesh.kv.quant import QuantizedBlocks, quantize_blocks, store_blocks
 
 DTYPES = ["fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
@@ -118,3 +121,114 @@ def test_gpu_write_large_pool_exact(kv):
                  quantize_blocks(k.view(256, 16, 8, 128).cpu(), v.view(256, 16, 8, 128).cpu(), kv))
     assert torch.equal(got.pool[-256:].cpu(), ref.pool)
     assert (got.pool[:-256] == 0).all()
+
+
+# formats.div_rn_fma in C (fmaf rounds once, like the GPU's FFMA) against IEEE x / s. x and s run over
+# significands in [1, 2): both sides scale exactly by powers of two while everything stays normal.
+# argv[1] = stride over the 2**23 s significands (1: the whole domain, 2**33 pairs with fp16/bf16 x).
+DIV_CHECK_C = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+static float fb(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
+static uint32_t bf(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
+static float div_fma(float x, float s, float inv, int steps) {
+    float q = x * inv;
+    for (int i = 0; i < steps; i++) q = fmaf(fmaf(q, s, -x), -inv, q);
+    return q;
+}
+int main(int argc, char **argv) {
+    uint32_t stride = (uint32_t)atoi(argv[1]);
+    uint64_t st = 88172645463325252ull;
+    long pairs = 0, bad1 = 0, bad2 = 0, control = 0, signs = 0;
+    for (uint32_t S = 0; S < (1u << 23); S += stride) {
+        float s = fb(0x3F800000u | S), inv = 1.0f / s;
+        for (uint32_t X = 0; X < 1024; X++) {  /* every fp16 (and so bf16) significand: 1 step */
+            float x = fb(0x3F800000u | (X << 13));
+            bad1 += bf(div_fma(x, s, inv, 1)) != bf(x / s);
+            control += bf(x * inv) != bf(x / s);
+        }
+        for (int i = 0; i < 64; i++) {  /* random fp32 significands: 2 steps */
+            st ^= st << 13; st ^= st >> 7; st ^= st << 17;
+            float x = fb(0x3F800000u | ((uint32_t)(st >> 20) & 0x7FFFFF));
+            bad2 += bf(div_fma(x, s, inv, 2)) != bf(x / s);
+        }
+        float z[4] = {0.0f, -0.0f, -1e-45f, -1e-40f};  /* signed zeros and underflows keep x's sign */
+        for (int i = 0; i < 4; i++) signs += !signbit(div_fma(z[i], s * 0x1p40f, inv * 0x1p-40f, 1)) != !signbit(z[i]);
+        pairs += 1024;
+    }
+    printf("%ld %ld %ld %ld %ld\n", pairs, bad1, bad2, control, signs);
+    return 0;
+}
+"""
+
+
+def test_fma_division_matches_ieee_division(tmp_path):
+    """The GPU path's division (one multiply by inv = RN(1/s), fma corrections) is bit-equal to IEEE
+    division: every fp16/bf16 significand against every 257th fp32 s significand (the full run,
+    stride 1, passed too), random fp32 x with 2 steps, signed zeros; bare x * inv must fail."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    (tmp_path / "div.c").write_text(DIV_CHECK_C)
+    subprocess.run([cc, "-O2", "-ffp-contract=off", "-o", str(tmp_path / "div"), str(tmp_path / "div.c"), "-lm"],
+                   check=True)
+    out = subprocess.run([str(tmp_path / "div"), "257"], capture_output=True, text=True, check=True).stdout
+    pairs, bad1, bad2, control, signs = map(int, out.split())
+    assert pairs > 30_000_000 and bad1 == 0 and bad2 == 0 and signs == 0
+    assert control > pairs // 10  # x * RN(1/s) alone misrounds often: the check can fail
+
+
+def near_ties(kv: str, n: int, H: int, D: int, bs: int, dt: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """K/V rows [n * bs, H, D] in `dt` whose quotients x / s sit on and next to the rounding ties and
+    the representable values of the format (fp8: all codes and midpoints; int8: k and k + 1/2), plus
+    signed zeros and the model dtype's subnormals. s is each group's scale as quant.py computes it."""
+    fmax = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "int8": 127.0}[kv]
+    if kv == "int8":
+        grid = torch.arange(0, 255) / 2  # [255] k / 2
+    else:
+        vals = torch.arange(0, 128, dtype=torch.uint8).view(STORAGE_DTYPES[kv]).float()
+        vals = vals[torch.isfinite(vals)]
+        grid = torch.cat([vals, (vals[1:] + vals[:-1]) / 2])
+    hi = 15 if dt == torch.float16 else 40  # fp16 tops out at 65504
+    x = torch.empty(n, H, bs, D)
+    amax = torch.pow(2.0, torch.empty(n, H, bs if kv == "int8" else 1, 1).uniform_(-20, hi, generator=gen)).to(dt).float()
+    s = torch.maximum(amax, torch.tensor(1e-6)) / torch.tensor(fmax)  # true division (see top)
+    if kv == "int8":
+        s = s.clamp(max=65504.0).to(torch.float16).float().clamp(min=2.0 ** -24)
+    pick = grid[torch.randint(0, len(grid), x.shape, generator=gen)]
+    sign = torch.where(torch.rand(x.shape, generator=gen) < 0.5, -1.0, 1.0)
+    x = (pick * s * sign).to(dt)
+    bits = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}[dt]
+    nudge = torch.randint(-2, 3, x.shape, generator=gen).to(bits)  # 0..2 ulps either way
+    mag = (x.abs().view(bits) + nudge).clamp(min=0).view(dt)  # nudge the magnitude, keep the sign
+    x = torch.where(x < 0, -mag, mag).float()
+    x = torch.maximum(torch.minimum(x, amax), -amax)
+    x[..., 0] = amax[..., 0]  # the group maximum is exactly amax, so s is the scale above
+    special = torch.rand(x.shape, generator=gen)
+    tiny = torch.finfo(dt).smallest_normal / 4 if dt != torch.float32 else 2.0 ** -130
+    x = torch.where(special < 0.01, -0.0, torch.where(special < 0.02, 0.0, x))
+    x = torch.where((special >= 0.02) & (special < 0.03), tiny * sign, x)
+    x[..., 0] = amax[..., 0]
+    return x.to(dt).transpose(1, 2).reshape(n * bs, H, D)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16, torch.float32])
+def test_gpu_hardware_paths_byte_exact_near_ties(kv, dt):
+    # the GPU path's hardware fp8 cast (cvt.rn.satfinite) and fma division against the CPU
+    # reference, on values built to sit on rounding ties: every byte equal
+    n, H, D, bs = 64, 8, 128, 16
+    gen = torch.Generator().manual_seed(11)
+    k = near_ties(kv, n, H, D, bs, dt, gen)
+    v = near_ties(kv, n, H, D, bs, dt, gen)
+    layout = BlockLayout(num_layers=1, kv_heads=H, head_dim=D, block_size=bs, kv_dtype=kv)
+    got = KVCache(layout, n, 1, dt, "cuda")
+    rows = torch.arange(n * bs, device="cuda").view(n, bs) + bs  # all new rows
+    write_blocks(got, 0, k.cuda(), v.cuda(), rows, torch.arange(n, device="cuda"))
+    ref = KVCache(layout, n, 1, dt, "cpu")
+    store_blocks(ref.layer_view(0), torch.arange(n), quantize_blocks(k.view(n, bs, H, D), v.view(n, bs, H, D), kv))
+    assert_pages_match(kv, got, ref)

@@ -9,11 +9,13 @@ IEEE division (`div_rn`), round-half-even.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from kvmesh.kernels.formats import FMT_CODES, fp16_round_scale, rint_even, to_bf16_rne
+from kvmesh.kernels.formats import FMT_CODES, div_rn_fma, fp16_round_scale, rint_even, to_bf16_rne
 from kvmesh.kernels.int4_codec import store_int4_k, store_int4_v
 from kvmesh.kv.layout import BlockLayout
 from kvmesh.kv.pool import KVCache
@@ -28,6 +30,9 @@ def _gather_rows(res_ptr, new_ptr, rows, slot_stride, res_off, new_stride_t, hea
     r_new = tl.where(is_new, rows - R, 0)
     res_row = (r_res // BS) * slot_stride + res_off + ((kv * KVH + head) * BS + r_res % BS) * D
     new_row = r_new * new_stride_t + head * D
+    if res_ptr.dtype == new_ptr.dtype:  # one load per row from whichever source holds it
+        src = tl.where(is_new, new_ptr + new_row, res_ptr + res_row)  # [BS] pointers
+        return tl.load(src[:, None] + cols[None, :]).to(tl.float32)
     a = tl.load(res_ptr + res_row[:, None] + cols[None, :], mask=(~is_new)[:, None], other=0.0)
     b = tl.load(new_ptr + new_row[:, None] + cols[None, :], mask=is_new[:, None], other=0.0)
     return tl.where(is_new[:, None], b.to(tl.float32), a.to(tl.float32))
@@ -72,28 +77,43 @@ def _fp8_encode(y, FMT: tl.constexpr):
 
 @triton.jit
 def _store_fp8(pool_ptr, base, scale_base, head, x, FMT: tl.constexpr, BS: tl.constexpr,
-               D: tl.constexpr):
+               D: tl.constexpr, HW: tl.constexpr, STEPS: tl.constexpr):
     """One scale per (page, layer, head), fp32: s = max(absmax, 1e-6) / FMAX."""
     FMAX: tl.constexpr = 448.0 if FMT == 3 else 57344.0
     s = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 1e-6), FMAX)
-    y = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -FMAX), FMAX)
-    q = _fp8_encode(y, FMT)
     t = tl.arange(0, BS)
     d = tl.arange(0, D)
-    tl.store(pool_ptr + base + (head * BS + t)[:, None] * D + d[None, :], q)
+    off = base + (head * BS + t)[:, None] * D + d[None, :]  # [BS, D] bytes
+    if HW:
+        # The same bytes as the integer path below: q is x / s exactly (div_rn_fma; off its exact
+        # domain |x / s| < 2**-60 and both paths store x's signed zero). cvt.rn.satfinite rounds
+        # half-to-even, makes fp8 subnormals exactly, and saturates to +-FMAX: the same as clamping
+        # first, since |q| <= FMAX * (1 + 2**-23) (s is absmax / FMAX rounded).
+        q = div_rn_fma(x, s, tl.math.div_rn(1.0, s), STEPS)
+        F8: tl.constexpr = tl.float8e4nv if FMT == 3 else tl.float8e5
+        tl.store(pool_ptr.to(tl.pointer_type(F8), bitcast=True) + off, q.to(F8))
+    else:
+        y = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -FMAX), FMAX)
+        tl.store(pool_ptr + off, _fp8_encode(y, FMT))
     ps = pool_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
     tl.store(ps + scale_base // 4 + head, s)
 
 
 @triton.jit
-def _store_int8(pool_ptr, base, scale_base, head, x, BS: tl.constexpr, D: tl.constexpr):
+def _store_int8(pool_ptr, base, scale_base, head, x, BS: tl.constexpr, D: tl.constexpr,
+                HW: tl.constexpr, STEPS: tl.constexpr):
     """Symmetric, one fp16 scale per (token, head)."""
     s = fp16_round_scale(tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-6), 127.0))  # [BS]
-    q = tl.minimum(tl.maximum(rint_even(tl.math.div_rn(x, s[:, None])), -127.0), 127.0)
+    if HW:
+        q = div_rn_fma(x, s[:, None], tl.math.div_rn(1.0, s)[:, None], STEPS)
+    else:
+        q = tl.math.div_rn(x, s[:, None])
+    # clamp, then round half-to-even by adding 1.5 * 2**23: the integer lands in the low mantissa
+    # bits (two's complement, 0x400000 has no low byte), so the low byte is the int8 code (no F2I)
+    q = tl.minimum(tl.maximum(q, -127.0), 127.0) + 12582912.0
     t = tl.arange(0, BS)
     d = tl.arange(0, D)
-    p8 = pool_ptr.to(tl.pointer_type(tl.int8), bitcast=True)
-    tl.store(p8 + base + (head * BS + t)[:, None] * D + d[None, :], q.to(tl.int8))
+    tl.store(pool_ptr + base + (head * BS + t)[:, None] * D + d[None, :], q.to(tl.uint32, bitcast=True).to(tl.uint8))
     ps = pool_ptr.to(tl.pointer_type(tl.float16), bitcast=True)
     tl.store(ps + scale_base // 2 + head * BS + t, s.to(tl.float16))
 
@@ -114,12 +134,14 @@ def _cache_write_kernel(
     R,  # residual rows in S: num_slots * BS
     V_OFF: tl.constexpr, KS_OFF: tl.constexpr, VS_OFF: tl.constexpr,
     FMT: tl.constexpr, KVH: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+    HW: tl.constexpr,  # GPU: hardware fp8 cast and fma division (the interpreter misrounds both)
+    STEPS: tl.constexpr,  # Markstein corrections in div_rn_fma: 1 for fp16/bf16 inputs, 2 for fp32
 ):
     blk = tl.program_id(0)
     head = tl.program_id(1)
     page = tl.load(block_ids_ptr + blk)
+    rows = tl.load(block_rows_ptr + blk * BS + tl.arange(0, BS))  # [BS] int64, not waiting on page
     if page >= 0:
-        rows = tl.load(block_rows_ptr + blk * BS + tl.arange(0, BS))  # [BS] int64
         base = page.to(tl.int64) * page_stride + layer_off  # byte offset of this page's layer
         if FMT == 6:
             HALF: tl.constexpr = D // 2
@@ -138,11 +160,11 @@ def _cache_write_kernel(
                 _store_plain(pool_ptr, base, head, kx, FMT, BS, D)
                 _store_plain(pool_ptr, base + V_OFF, head, vx, FMT, BS, D)
             elif FMT <= 4:
-                _store_fp8(pool_ptr, base, base + KS_OFF, head, kx, FMT, BS, D)
-                _store_fp8(pool_ptr, base + V_OFF, base + VS_OFF, head, vx, FMT, BS, D)
+                _store_fp8(pool_ptr, base, base + KS_OFF, head, kx, FMT, BS, D, HW, STEPS)
+                _store_fp8(pool_ptr, base + V_OFF, base + VS_OFF, head, vx, FMT, BS, D, HW, STEPS)
             else:
-                _store_int8(pool_ptr, base, base + KS_OFF, head, kx, BS, D)
-                _store_int8(pool_ptr, base + V_OFF, base + VS_OFF, head, vx, BS, D)
+                _store_int8(pool_ptr, base, base + KS_OFF, head, kx, BS, D, HW, STEPS)
+                _store_int8(pool_ptr, base + V_OFF, base + VS_OFF, head, vx, BS, D, HW, STEPS)
 
 
 def _check_rows(name: str, x: torch.Tensor, L: BlockLayout) -> None:
@@ -181,6 +203,8 @@ def write_blocks(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
         stride_kt=k.stride(0), stride_vt=v.stride(0), R=cache.num_residual_slots * L.block_size,
         V_OFF=L.v_data_offset, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset,
         FMT=FMT_CODES[L.kv_dtype], KVH=L.kv_heads, BS=L.block_size, D=L.head_dim,
+        HW=os.environ.get("TRITON_INTERPRET") != "1",
+        STEPS=1 if {res.dtype, k.dtype, v.dtype} <= {torch.float16, torch.bfloat16} else 2,
         num_warps=4,
     )
 
