@@ -72,31 +72,68 @@ def unpack(p):
     return torch.stack(((p & 15), (p >> 4)), -1).flatten(-2).float()
 
 
+def int4_parts(qb):
+    """Decode the int4 scale bytes: K and V (m_base, m_step, s_step) [n, H] and codes (s, m)."""
+    D = qb.k.shape[-1] * 2
+    rec = qb.k_scale
+    hk = rec[..., :8].contiguous().view(torch.bfloat16).float()  # [n, H, 4]
+    hv = rec[..., 8:16].contiguous().view(torch.bfloat16).float()
+    kc = (rec[..., 16:16 + D].float(), rec[..., 16 + D:].float())  # [n, H, D] each
+    vc = (qb.v_scale[:, :, :, 0].float(), qb.v_scale[:, :, :, 1].float())  # [n, H, bs, G]
+    return hk, hv, kc, vc
+
+
+def check_int4_groups(x, q, h, cs, cm):
+    """x [..., groups, size]: q codes, header [..., 4] (broadcast), codes [..., groups]: the
+    stored (s, m) cover each group (m <= lo, m + 15 s >= hi) and q is round((x - m) / s)."""
+    s = cs * h[..., 2]
+    m = cm * h[..., 1] + h[..., 0]
+    assert (h[..., 3] == 0).all() and (cs >= 1).all()
+    lo, hi = x.amin(-1), x.amax(-1)
+    assert (m <= lo).all()
+    assert (m + 15 * s >= hi - s * 1e-4).all()  # fp32 roundings of the reciprocal (layout.py)
+    assert torch.equal(q, torch.round((x - m[..., None]) * (1 / s[..., None])).clamp(0, 15))
+    err = (q * s[..., None] + m[..., None] - x).abs()
+    assert (err <= s[..., None] * 0.5001 + 1e-6).all()
+    return s, m
+
+
 def test_int4_groups_error_and_packing():
     k, v = fresh()
     qb = quantize_blocks(k, v, "int4")
-    assert qb.k.shape == (N, H, BS, D // 2) and qb.k_scale.shape == (N, H, 2, D)
-    assert qb.v_scale.shape == (N, H, BS, 2, D // 32)
+    assert qb.k.shape == (N, H, BS, D // 2) and qb.k_scale.shape == (N, H, 16 + 2 * D)
+    assert qb.v_scale.shape == (N, H, BS, 2, D // 32) and qb.k_scale.dtype == torch.uint8
+    hk, hv, (kcs, kcm), (vcs, vcm) = int4_parts(qb)
     xk, xv = heads_major(k), heads_major(v)
-    # keys: one (scale, min) per channel over the block's tokens
-    s, m = qb.k_scale[:, :, 0].float(), qb.k_scale[:, :, 1].float()  # [n, H, D]
-    assert torch.equal(qb.k_scale[:, :, 1], xk.amin(dim=2).to(torch.float16))
-    assert torch.equal(qb.k_scale[:, :, 0], ((xk.amax(dim=2) - xk.amin(dim=2)) / 15).to(torch.float16))
-    q = unpack(qb.k)
-    assert q.max() <= 15 and q.min() >= 0
-    assert torch.equal(q, torch.round((xk - m[:, :, None]) / s[:, :, None]).clamp(0, 15))
-    err = (q * s[:, :, None] + m[:, :, None] - xk).abs()
-    assert (err <= s[:, :, None] * 0.51 + m.abs()[:, :, None] * 2 ** -10 + 1e-6).all()
+    # keys: one code pair per channel over the block's tokens
+    qk = unpack(qb.k)  # [n, H, bs, D]
+    sk, mk = check_int4_groups(xk.transpose(2, 3), qk.transpose(2, 3), hk[:, :, None], kcs, kcm)
     # values: per token, groups of 32 channels
     g = xv.reshape(N, H, BS, D // 32, 32)
-    sv, mv = qb.v_scale[:, :, :, 0].float(), qb.v_scale[:, :, :, 1].float()  # [n, H, bs, G]
-    assert torch.equal(qb.v_scale[:, :, :, 1], g.amin(-1).to(torch.float16))
     qv = unpack(qb.v).view(N, H, BS, D // 32, 32)
-    err = (qv * sv[..., None] + mv[..., None] - g).abs()
-    assert (err <= sv[..., None] * 0.51 + mv.abs()[..., None] * 2 ** -10 + 1e-6).all()
+    sv, mv = check_int4_groups(g, qv, hv[:, :, None, None], vcs, vcm)
+    # the headers: m_base is the lowest minimum rounded down, the steps span the codes
+    assert (hk[..., 0] <= xk.amin(dim=(2, 3))).all() and (hk[..., 0] > xk.amin(dim=(2, 3)) * 1.01 - 1e-6).all()
+    assert (kcm.amax(-1) >= 250).all() and (kcs.amax(-1) >= 250).all()  # the 8-bit range is used
     dk, dv = dequantize_blocks(qb, "int4")
-    assert torch.equal(dk, q * s[:, :, None] + m[:, :, None])
+    assert torch.equal(dk, qk * sk[:, :, None] + mk[:, :, None])
     assert torch.equal(dv, (qv * sv[..., None] + mv[..., None]).view(N, H, BS, D))
+
+
+def test_int4_covers_hard_groups():
+    """Constant channels, a huge outlier, all-negative and large-offset blocks: no group is clamped."""
+    g = torch.Generator().manual_seed(4)
+    k = torch.randn(4, BS, 2, D, generator=g)
+    k[0, :, :, 5] = 3.0  # constant channel
+    k[1, 2, 0, 9] = -300.0  # one huge outlier
+    k[2] = -k[2].abs() - 50.0  # all negative, far from zero
+    k[3] = k[3] * 1e-3 + 1e4  # tiny ranges at a large offset
+    qb = quantize_blocks(k, k.clone(), "int4")
+    hk, hv, (kcs, kcm), (vcs, vcm) = int4_parts(qb)
+    x = heads_major(k)
+    check_int4_groups(x.transpose(2, 3), unpack(qb.k).transpose(2, 3), hk[:, :, None], kcs, kcm)
+    check_int4_groups(x.reshape(4, 2, BS, D // 32, 32), unpack(qb.v).view(4, 2, BS, D // 32, 32),
+                      hv[:, :, None, None], vcs, vcm)
 
 
 def test_int4_low_nibble_is_even_channel():
@@ -170,8 +207,9 @@ def test_gathered_layer_equals_strided_view():
         assert torch.equal(a[ids].view(torch.uint8), b.contiguous().view(torch.uint8))  # bits: random bytes hold NaNs
 
 
-def _true_div_scales(x, name):
-    """Reference scales by true float32 division in numpy, as layout.py specifies (x: [n, bs, H, D])."""
+def _true_div_scales(x, name, v=None):
+    """Reference scales by true float32 division in numpy, as layout.py specifies (x: [n, bs, H, D]).
+    int4: the K records' bytes (headers and codes), bf16 rounding done on the numpy bits."""
     a = heads_major(x).double().numpy().astype("float32")  # [n, H, bs, D]
     f32 = a.dtype.type
     if name.startswith("fp8"):
@@ -179,9 +217,38 @@ def _true_div_scales(x, name):
         s = abs(a).max(axis=(2, 3)).clip(min=f32(1e-6)) / fmax
     elif name == "int8":
         s = abs(a).max(axis=3).clip(min=f32(1e-6)) / f32(127.0)
-    else:  # int4 keys: per channel over the block's tokens
-        s = ((a.max(axis=2) - a.min(axis=2)) / f32(15.0)).clip(min=f32(1e-6))
+    else:
+        return torch.from_numpy(_int4_record_np(a, heads_major(v).double().numpy().astype("float32")))
     return torch.from_numpy(s.astype("float32"))
+
+
+def _int4_record_np(a, b):
+    """numpy float32 K, V [n, H, bs, D] -> uint8 K records [n, H, 16 + 2D] (layout.py's formulas)."""
+    import numpy as np
+    f32 = np.float32
+
+    def bf16(x, up):
+        b = np.ascontiguousarray(x, dtype=np.float32).view(np.int32).astype(np.int64)
+        away = np.ones_like(b) if up else (b < 0).astype(np.int64)
+        return (((b + away * 0xFFFF) & -65536).astype(np.int32)).view(np.float32)
+
+    def codes(lo, hi):  # [n, H, groups]
+        one = f32(1)
+        mb = bf16(lo.min(-1), up=False)
+        ms = bf16(np.maximum((lo.max(-1) - mb) / f32(255), f32(2.0 ** -24)), up=True)
+        cm = np.minimum(np.floor((lo - mb[..., None]) * (one / ms)[..., None]), 255).astype(f32)
+        cm -= (cm * ms[..., None] + mb[..., None] > lo)
+        span = hi - (cm * ms[..., None] + mb[..., None])
+        ss = bf16(np.maximum(span.max(-1) / f32(3825), f32(2.0 ** -24)), up=True)
+        cs = np.clip(np.ceil(span * (one / (ss * f32(15)))[..., None]), 1, 255).astype(f32)
+        head = np.stack((mb, ms, ss, np.zeros_like(mb)), -1).view(np.uint32) >> 16  # bf16 bits
+        return head.astype(np.uint16).view(np.uint8), cs.astype(np.uint8), cm.astype(np.uint8)
+
+    n, H, bs, D = a.shape
+    kh, kcs, kcm = codes(a.min(2), a.max(2))
+    g = b.reshape(n, H, bs, D // 32, 32)
+    vh, _, _ = codes(g.min(-1).reshape(n, H, -1), g.max(-1).reshape(n, H, -1))
+    return np.concatenate((kh, vh, kcs, kcm), -1)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -191,10 +258,11 @@ def test_scales_are_true_divisions_on_every_device(name, device):
     pages than the CPU and the Triton kernels); scales must be exact true divisions everywhere."""
     k, v = fresh()
     qb = quantize_blocks(k.to(device), v.to(device), name)
-    ref = _true_div_scales(k, name)
+    ref = _true_div_scales(k, name, v)
+    if name == "int4":  # every byte of the K records (both headers, K codes)
+        assert torch.equal(qb.k_scale.cpu(), ref)
+        return
     got = qb.k_scale.float().cpu()
-    if name == "int4":
-        got = got[:, :, 0, :]  # [n, H, 2, D]: scale row, then offset row
     sd = qb.k_scale.dtype
     want = ref.to(sd).float()
     if sd == torch.float16:

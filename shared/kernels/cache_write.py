@@ -143,15 +143,12 @@ def _cache_write_kernel(
     rows = tl.load(block_rows_ptr + blk * BS + tl.arange(0, BS))  # [BS] int64, not waiting on page
     if page >= 0:
         base = page.to(tl.int64) * page_stride + layer_off  # byte offset of this page's layer
-        if FMT == 6:
-            HALF: tl.constexpr = D // 2
-            ev = 2 * tl.arange(0, HALF)
-            ke = _gather_rows(res_ptr, k_ptr, rows, slot_stride, res_layer_off, stride_kt, head, 0, R, KVH, BS, ev, D)
-            ko = _gather_rows(res_ptr, k_ptr, rows, slot_stride, res_layer_off, stride_kt, head, 0, R, KVH, BS, ev + 1, D)
-            ve = _gather_rows(res_ptr, v_ptr, rows, slot_stride, res_layer_off, stride_vt, head, 1, R, KVH, BS, ev, D)
-            vo = _gather_rows(res_ptr, v_ptr, rows, slot_stride, res_layer_off, stride_vt, head, 1, R, KVH, BS, ev + 1, D)
-            store_int4_k(pool_ptr, base, base + KS_OFF, head, ke, ko, BS, D)
-            store_int4_v(pool_ptr, base + V_OFF, base + VS_OFF, head, ve, vo, BS, D)
+        if FMT == 6:  # contiguous row loads; the codec splits even/odd channels itself
+            d = tl.arange(0, D)
+            kx = _gather_rows(res_ptr, k_ptr, rows, slot_stride, res_layer_off, stride_kt, head, 0, R, KVH, BS, d, D)
+            store_int4_k(pool_ptr, base, base + KS_OFF, head, kx, BS, D)
+            vx = _gather_rows(res_ptr, v_ptr, rows, slot_stride, res_layer_off, stride_vt, head, 1, R, KVH, BS, d, D)
+            store_int4_v(pool_ptr, base + V_OFF, base + VS_OFF, base + KS_OFF, head, vx, BS, D)
         else:
             d = tl.arange(0, D)
             kx = _gather_rows(res_ptr, k_ptr, rows, slot_stride, res_layer_off, stride_kt, head, 0, R, KVH, BS, d, D)

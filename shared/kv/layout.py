@@ -11,21 +11,36 @@ one copy. Inside a block, layer by layer:
     scales per format (see KVFormat below):
       fp8_e4m3 / fp8_e5m2: K, V  [kv_heads]                float32  x = q * s
       int8:                K, V  [kv_heads, block_size]    float16  x = q * s (symmetric, per token)
-      int4:                K     [kv_heads, 2, head_dim]   float16  x = q * s + m (per channel over
-                                                           the block: row 0 = s, row 1 = m)
-                           V     [kv_heads, block_size, 2, head_dim // 32]
-                                                           float16  x = q * s + m (per token, groups
-                                                           of 32 channels: [.., 0, g] = s, [.., 1, g] = m)
+      int4:                K     [kv_heads, 16 + 2 * head_dim]  uint8, one record per head:
+                                   bytes 0..7   K header: bf16 (m_base, m_step, s_step, 0)
+                                   bytes 8..15  V header: bf16 (m_base, m_step, s_step, 0)
+                                   then K s codes [head_dim] u8, K m codes [head_dim] u8
+                           V     [kv_heads, block_size, 2, head_dim // 32]  uint8 codes per token
+                                   and 32-channel group: [.., 0, g] = s code, [.., 1, g] = m code
       auto / fp16 / bf16 / fp32: no scales
 
 Quantization math (the torch reference in `quant.py` and the Triton kernels must agree exactly;
-scales are rounded to their stored dtype *before* quantizing, so dequantization uses what is stored):
+scales are rounded to their stored form *before* quantizing, so dequantization uses what is stored):
     fp8:  s = max(absmax(x[head]), 1e-6) / FMAX  (FMAX 448 e4m3, 57344 e5m2); q = cast(clamp(x / s, ±FMAX))
     int8: s = max(absmax(x[head, token]), 1e-6) / 127; q = clamp(round_half_even(x / s), -127, 127)
-    int4: m = min, s = max((max - min) / 15, 1e-6) over the group; q = clamp(round_half_even((x - m) / s), 0, 15)
-          groups: K = each channel over the block's tokens; V = each token's 32-channel group
-float16 scales (int8, int4 s) are clamped to >= 2**-24 (fp16's smallest subnormal) after rounding, so
-a near-zero group never stores s = 0 (int8's 1e-6 / 127 floor would round to 0 in fp16).
+    int4: x = q * s + m, q = clamp(round_half_even((x - m) / s), 0, 15). Groups: K = each channel over
+          the block's tokens, V = each token's 32-channel group. Each group's (s, m) is an 8-bit code
+          pair relative to a per-(block, layer, head, K|V) header ("double quantization"):
+            m_base = down(min over groups of lo)          lo, hi = group min, max
+            m_step = up(max((max lo - m_base) / 255, 2**-24))
+            cm     = clamp(floor((lo - m_base) / m_step), 0, 255);  m = cm * m_step + m_base  (m <= lo)
+            r      = (hi - m) / 15
+            s_step = up(max(max r / 255, 2**-24))
+            cs     = clamp(ceil(r / s_step), 1, 255);                s = cs * s_step         (s >= r)
+          down/up round an fp32 to bf16 (8 significant bits) toward -inf/+inf with integer ops on
+          its bits, so the header is exact in bf16 and code * step is exact in fp32 (an FMA gives
+          the same m). m <= lo and m + 15 s >= hi: no group is clamped.
+          The V header sits in the K record (the V loader finds it at 2 * v_data_offset, which is
+          k_scale_offset), so both scale regions index by head or row alone.
+          Bits per element: K 4 + (16 + 2 * head_dim) * 8 / (block_size * head_dim) (5.125 at
+          head_dim 64, block 16), V 4 + 0.5.
+float16 scales (int8) are clamped to >= 2**-24 (fp16's smallest subnormal) after rounding, so a
+near-zero group never stores s = 0 (int8's 1e-6 / 127 floor would round to 0 in fp16).
 The whole block is quantized at once (see kernels/backend.py), so per-block scales are exact.
 
 This module imports no torch: the gateway and `kvmesh memory` use it.
@@ -39,6 +54,7 @@ KVCacheDtype = Literal["auto", "fp16", "bf16", "fp32", "fp8", "fp8_e4m3", "fp8_e
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp16", "bf16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 
 INT4_GROUP = 32  # channels per value group in int4 (KIVI-style per-token groups)
+INT4_HEADER = 16  # bytes of the two bf16 (m_base, m_step, s_step, 0) headers in each int4 K record
 _ALIGN = 16  # bytes; regions start on 16-byte boundaries so kernels can use vector loads
 
 
@@ -67,7 +83,7 @@ class KVFormat:
     bits: int
     """Bits per stored element."""
     scale_bytes_per_elem: int
-    """Bytes of one scale value (0: no scales)."""
+    """Bytes of one scale value (0: no scales; int4 counts its scale regions in bytes)."""
 
     @property
     def quantized(self) -> bool:
@@ -82,7 +98,7 @@ class KVFormat:
             "fp8_e4m3": KVFormat("fp8_e4m3", 8, 4),
             "fp8_e5m2": KVFormat("fp8_e5m2", 8, 4),
             "int8": KVFormat("int8", 8, 2),
-            "int4": KVFormat("int4", 4, 2),
+            "int4": KVFormat("int4", 4, 1),
         }
         if canonical not in table:
             raise ValueError(f"unknown canonical KV dtype {canonical!r}")
@@ -94,13 +110,13 @@ class KVFormat:
             return kv_heads
         if self.name == "int8":
             return kv_heads * block_size
-        if self.name == "int4":
-            return kv_heads * 2 * head_dim
+        if self.name == "int4":  # per head: K and V headers, then s and m codes per channel
+            return kv_heads * (INT4_HEADER + 2 * head_dim)
         return 0
 
     def v_scale_count(self, kv_heads: int, block_size: int, head_dim: int) -> int:
         """Number of V scale values in one block and layer."""
-        if self.name == "int4":
+        if self.name == "int4":  # (s, m) codes per token and 32-channel group
             return kv_heads * block_size * 2 * (head_dim // INT4_GROUP)
         return self.k_scale_count(kv_heads, block_size, head_dim)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.kv.layout import BlockLayout
+from kvmesh.kv.layout import INT4_GROUP, INT4_HEADER, BlockLayout
 
 STORAGE_DTYPES = {
     "fp32": torch.float32,
@@ -25,7 +25,7 @@ STORAGE_DTYPES = {
     "int4": torch.uint8,  # two 4-bit values per byte, low nibble = even channel
 }
 SCALE_DTYPES = {"fp8_e4m3": torch.float32, "fp8_e5m2": torch.float32,
-                "int8": torch.float16, "int4": torch.float16}
+                "int8": torch.float16, "int4": torch.uint8}  # int4: code bytes and bf16 headers
 
 
 @dataclass
@@ -108,7 +108,7 @@ def view_layer_bytes(L: BlockLayout, base: torch.Tensor) -> LayerView:
     if L.kv_dtype == "int8":
         ks, vs = ks.view(-1, H, bs), vs.view(-1, H, bs)
     elif L.kv_dtype == "int4":
-        ks, vs = ks.view(-1, H, 2, D), vs.view(-1, H, bs, 2, D // 32)
+        ks, vs = ks.view(-1, H, INT4_HEADER + 2 * D), vs.view(-1, H, bs, 2, D // INT4_GROUP)
     else:
         ks, vs = ks.view(-1, H), vs.view(-1, H)
     return LayerView(k, v, ks, vs)

@@ -12,12 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.kv.layout import INT4_GROUP, KVFormat
+from kvmesh.kv.layout import INT4_GROUP, INT4_HEADER, KVFormat
 from kvmesh.kv.pool import SCALE_DTYPES, STORAGE_DTYPES, LayerView
 
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 INT8_MAX = 127.0
 INT4_LEVELS = 15.0
+INT4_CODES = 255.0  # 8-bit scale codes
+INT4_STEP_FLOOR = 2.0 ** -24  # smallest m_step / s_step: a constant group never divides by zero
 SCALE_FLOOR = 1e-6
 FP16_TINY = 2.0 ** -24  # smallest fp16 subnormal: an fp16 scale never rounds to zero (no 0/0)
 
@@ -66,7 +68,7 @@ def _divisor(value: float, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32, device=like.device)
 
 
-def _quantize_one(x: torch.Tensor, name: str, is_key: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _quantize_one(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x: float32 [n, KVH, bs, D] -> (data, scale) in the stored dtypes."""
     n, H, bs, D = x.shape
     if name in ("fp32", "fp16", "bf16"):
@@ -81,21 +83,6 @@ def _quantize_one(x: torch.Tensor, name: str, is_key: bool) -> tuple[torch.Tenso
         s = _round_scale(x.abs().amax(dim=3).clamp(min=SCALE_FLOOR) / qmax, name)  # [n, H, bs]
         q = torch.round(x / s[..., None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
         return q, s.to(SCALE_DTYPES[name])
-    if name == "int4":
-        if is_key:  # per channel over the block's tokens: groups are [n, H, :, d]
-            lo, hi = x.amin(dim=2), x.amax(dim=2)  # [n, H, D]
-            s = _round_scale(((hi - lo) / _divisor(INT4_LEVELS, x)).clamp(min=SCALE_FLOOR), name)
-            m = _round_scale_signed(lo)
-            q = torch.round((x - m[:, :, None, :]) / s[:, :, None, :]).clamp(0, INT4_LEVELS)
-            scale = torch.stack((s, m), dim=2)  # [n, H, 2, D]
-        else:  # per token, groups of 32 channels
-            g = x.view(n, H, bs, D // INT4_GROUP, INT4_GROUP)
-            lo, hi = g.amin(dim=4), g.amax(dim=4)  # [n, H, bs, G]
-            s = _round_scale(((hi - lo) / _divisor(INT4_LEVELS, x)).clamp(min=SCALE_FLOOR), name)
-            m = _round_scale_signed(lo)
-            q = torch.round((g - m[..., None]) / s[..., None]).clamp(0, INT4_LEVELS).view(n, H, bs, D)
-            scale = torch.stack((s, m), dim=3)  # [n, H, bs, 2, G]
-        return _pack_int4(q), scale.to(SCALE_DTYPES[name])
     raise ValueError(f"unsupported kv dtype {name!r}")
 
 
@@ -110,9 +97,60 @@ def _fp8_bits_to_float(q: torch.Tensor, name: str) -> torch.Tensor:
     return ((b + (b & 0x80)) << 7).view(torch.float16).float().mul_(256.0)
 
 
-def _round_scale_signed(m: torch.Tensor) -> torch.Tensor:
-    """The int4 offset (a group minimum) rounded to fp16; it may be negative or zero."""
-    return m.clamp(-65504.0, 65504.0).to(torch.float16).float()
+def _bf16_round(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """fp32 -> the nearest bf16 value toward +inf (up, x >= 0) or toward -inf (down), as fp32: integer
+    ops on the bits (round the magnitude up for up / negative down, else truncate)."""
+    b = x.contiguous().view(torch.int32)
+    away = torch.full_like(b, 1) if up else (b < 0).to(torch.int32)  # 1: magnitude rounds up
+    return ((b + away * 0xFFFF) & -65536).view(torch.float32)
+
+
+def _int4_group_codes(lo: torch.Tensor, hi: torch.Tensor):
+    """Group minima/maxima [n, H, groups] -> (header u8 [n, H, 8], s codes, m codes u8 [n, H, groups],
+    1 / s, m float32 [n, H, groups]): layout.py's double quantization, every rounding before use."""
+    one = _divisor(1.0, lo)
+    m_base = _bf16_round(lo.amin(dim=2), up=False)  # [n, H]
+    m_step = _bf16_round(((lo.amax(dim=2) - m_base) / _divisor(INT4_CODES, lo)).clamp(min=INT4_STEP_FLOOR), up=True)
+    cm = torch.floor((lo - m_base[..., None]) * (one / m_step)[..., None]).clamp(max=INT4_CODES)  # >= 0
+    cm -= (cm * m_step[..., None] + m_base[..., None] > lo).float()  # reciprocal rounded up: keep m <= lo
+    m = cm * m_step[..., None] + m_base[..., None]  # code * step is exact: an FMA rounds the same
+    span = hi - m
+    s_step = _bf16_round((span.amax(dim=2) / _divisor(INT4_LEVELS * INT4_CODES, lo)).clamp(min=INT4_STEP_FLOOR),
+                         up=True)
+    cs = torch.ceil(span * (one / (s_step * INT4_LEVELS))[..., None]).clamp(1, INT4_CODES)
+    inv = one / (cs * s_step[..., None])  # the data divide by multiplying with 1 / s (one per group)
+    header = torch.stack((m_base, m_step, s_step, torch.zeros_like(m_base)), dim=2).to(torch.bfloat16)
+    return header.view(torch.uint8), cs.to(torch.uint8), cm.to(torch.uint8), inv, m
+
+
+def _quantize_int4(kx: torch.Tensor, vx: torch.Tensor) -> QuantizedBlocks:
+    """kx, vx float32 [n, H, bs, D] -> packed nibbles, K records [n, H, 16 + 2D] (K header, V header,
+    s codes, m codes) and V codes [n, H, bs, 2, G] (layout.py)."""
+    n, H, bs, D = kx.shape
+    kh, kcs, kcm, kinv, km = _int4_group_codes(kx.amin(dim=2), kx.amax(dim=2))  # groups [n, H, D]
+    kq = torch.round((kx - km[:, :, None, :]) * kinv[:, :, None, :]).clamp(0, INT4_LEVELS)
+    g = vx.view(n, H, bs, D // INT4_GROUP, INT4_GROUP)
+    vh, vcs, vcm, vinv, vm = _int4_group_codes(g.amin(dim=4).view(n, H, -1), g.amax(dim=4).view(n, H, -1))
+    vinv, vm = vinv.view(n, H, bs, -1, 1), vm.view(n, H, bs, -1, 1)
+    vq = torch.round((g - vm) * vinv).clamp(0, INT4_LEVELS).view(n, H, bs, D)
+    k_rec = torch.cat((kh, vh, kcs, kcm), dim=2)
+    v_codes = torch.stack((vcs.view(n, H, bs, -1), vcm.view(n, H, bs, -1)), dim=3)  # [n, H, bs, 2, G]
+    return QuantizedBlocks(_pack_int4(kq), _pack_int4(vq), k_rec, v_codes)
+
+
+def _int4_header(rec: torch.Tensor, at: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Header bytes at `at` of K records [n, H, bytes] -> m_base, m_step, s_step float32 [n, H, 1]."""
+    h = rec[..., at:at + 8].contiguous().view(torch.bfloat16).float()  # [n, H, 4]
+    return h[..., 0:1], h[..., 1:2], h[..., 2:3]
+
+
+def _int4_scales(rec: torch.Tensor, at: int, cs: torch.Tensor, cm: torch.Tensor):
+    """Codes [n, H, ...] and their header at byte `at` of K records -> s, m float32 [n, H, ...]."""
+    m_base, m_step, s_step = _int4_header(rec, at)
+    shape = m_base.shape + (1,) * (cs.dim() - 3)  # broadcast over the codes' trailing dims
+    s = cs.float() * s_step.view(shape)
+    m = cm.float() * m_step.view(shape) + m_base.view(shape)
+    return s, m
 
 
 def quantize_blocks(k: torch.Tensor, v: torch.Tensor, fmt: str | KVFormat) -> QuantizedBlocks:
@@ -124,8 +162,10 @@ def quantize_blocks(k: torch.Tensor, v: torch.Tensor, fmt: str | KVFormat) -> Qu
         raise ValueError(f"int4 KV needs head_dim divisible by {INT4_GROUP}, got {k.shape[-1]}")
     kx = k.float().transpose(1, 2).contiguous()  # [n, KVH, bs, D]
     vx = v.float().transpose(1, 2).contiguous()
-    kq, ks = _quantize_one(kx, name, is_key=True)
-    vq, vs = _quantize_one(vx, name, is_key=False)
+    if name == "int4":
+        return _quantize_int4(kx, vx)
+    kq, ks = _quantize_one(kx, name)
+    vq, vs = _quantize_one(vx, name)
     return QuantizedBlocks(kq, vq, ks, vs)
 
 
@@ -151,11 +191,14 @@ def dequantize(kq: torch.Tensor, vq: torch.Tensor, ks: torch.Tensor | None, vs: 
     elif name == "int8":
         k = kq.float().mul_(ks.float()[..., None])
         v = vq.float().mul_(vs.float()[..., None])
-    else:  # int4: x = q * s + m
-        k = _unpack_int4(kq).mul_(ks[:, :, 0, None, :].float()).add_(ks[:, :, 1, None, :].float())
-        n, H, bs, D = k.shape
+    else:  # int4: x = q * s + m, codes -> (s, m) per group first (small)
+        D = kq.shape[-1] * 2
+        s, m = _int4_scales(ks, 0, ks[..., INT4_HEADER:INT4_HEADER + D], ks[..., INT4_HEADER + D:])
+        k = _unpack_int4(kq).mul_(s[:, :, None, :]).add_(m[:, :, None, :])
+        s, m = _int4_scales(ks, 8, vs[:, :, :, 0], vs[:, :, :, 1])  # [n, H, bs, G]
+        n, H, bs = vs.shape[:3]
         g = _unpack_int4(vq).view(n, H, bs, D // INT4_GROUP, INT4_GROUP)
-        v = g.mul_(vs[:, :, :, 0, :, None].float()).add_(vs[:, :, :, 1, :, None].float()).view(n, H, bs, D)
+        v = g.mul_(s[..., None]).add_(m[..., None]).view(n, H, bs, D)
     return k.to(dtype), v.to(dtype)
 
 
