@@ -29,15 +29,15 @@ import kernels as kb  # noqa: E402  (maps kvmesh to shared/ when not installed)
 
 from kvmesh.kernels.decode_attention import decode_attention  # noqa: E402
 
-GRID = dict(block_n=(32, 64, 128), num_warps=(4, 8), num_stages=(3, 5, 7))
-PROGRAMS_PER_SM = (2, 4, 8, 16, 32)
-NATIVE_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8")
+GRID = dict(block_n=(32, 64, 128), num_warps=(4,), num_stages=(1, 3, 5))
+PROGRAMS_PER_SM = (0, 2, 4, 8)  # residency assumed by the split count; 0 = read from the compiled kernel
+CODE_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8")  # also timed with hardware conversion / split words
 
 
 def variants(kv: str) -> list[dict]:
     out = [dict(zip(GRID, v)) for v in itertools.product(*GRID.values())]
-    if kv in NATIVE_DTYPES:
-        out += [{**c, "native_cvt": True} for c in out]
+    if kv in CODE_DTYPES:
+        out += [{**c, "native_cvt": True} for c in out] + [{**c, "split_codes": True} for c in out]
     return out
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmesh.kernels.decode_attention import decode_attention, num_splits
+from kvmesh.kernels.decode_attention import decode_attention, num_splits, resident_programs
 from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata
 from kvmesh.kernels.prefill_attention import prefill_attention
 from kvmesh.kernels.torch_ref import TorchBackend
@@ -96,6 +96,17 @@ def test_decode_splits_match_torch(kv, splits):
     check(kv, 4, 64, 16, [5, 16, 4 * 16 + 1], [1, 1, 1], attend=attend)
 
 
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("gqa,head_dim,bs", [(4, 64, 16), (1, 128, 32)])
+def test_decode_split_codes_match_torch(kv, gqa, head_dim, bs):
+    # 8-bit codes decoded as even/odd channel halves from 32-bit words, with and without splits
+    for splits in (1, 2):
+        def attend(cache, layer, q, k, v, meta, scale):
+            return decode_attention(cache, layer, q, k, v, meta, scale, splits=splits, block_n=2 * bs,
+                                    split_codes=True)
+        check(kv, gqa, head_dim, bs, [0, bs - 3, 2 * bs, 3 * bs + 5], [1, 1, 1, 1], attend=attend)
+
+
 def test_prefill_multiple_tiles_causal():
     # tiles of 16 rows = 4 tokens x 4 heads: the causal mask crosses tile edges
     def attend(cache, layer, q, k, v, meta, scale):
@@ -122,6 +133,10 @@ def test_num_splits_from_shapes():
     assert num_splits(256, 8, 1024, 132) == 1  # enough programs already
     assert num_splits(8, 8, 32768, 132) > 4  # 64 programs for 132 SMs: split the sequence
     assert num_splits(1, 8, 300, 132) == 1  # too short to split
+    assert num_splits(16, 8, 16384, 132, 4) == 4  # one full wave, not 5 splits (a second wave 20 % full)
+    assert num_splits(64, 8, 4096, 132, 2) == 1  # 2 waves whatever the splits: the fewest
+    assert resident_programs(128, 38144, 4, 233472) == 4  # registers bound
+    assert resident_programs(216, 80896, 4, 233472) == 2  # registers and shared memory bound
 
 
 # ----------------------------------------------------------------------------- GPU (H200)

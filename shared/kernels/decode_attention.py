@@ -26,9 +26,11 @@ from kvmesh.kernels.paged_attention import (LOG2E, _cast_out, _check, _dot_dtype
 from kvmesh.kv.pool import KVCache
 
 NUM_SMS_DEFAULT = 132  # H200; the real count is read from the device when there is one
-PROGRAMS_PER_SM = 8  # programs wanted per SM over the whole launch (several waves)
+RESIDENT_DEFAULT = 4  # programs per SM assumed where the compiled kernel cannot be inspected
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism
+PROGRAM_COST_TOKENS = 128  # a program's fixed cost (prologue, tail, partial write) in tokens read
 MAX_SPLITS = 64
+REGS_PER_SM = 65536
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # one compile for every split count
@@ -53,7 +55,7 @@ def decode_kernel(
     V_OFF: tl.constexpr, KS_OFF: tl.constexpr, VS_OFF: tl.constexpr,
     FMT: tl.constexpr, HAS_SCALE: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
     BS: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    PARTIAL: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr,
+    PARTIAL: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr, SPLIT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -68,6 +70,14 @@ def decode_kernel(
     acc = tl.zeros((BLOCK_H, D), tl.float32)
     m_i = tl.full((BLOCK_H,), -1.0e30, tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
+    if SPLIT > 0:  # 8-bit codes decoded as even/odd channel halves (see `_split_tile`)
+        HD: tl.constexpr = D // 2
+        c2 = tl.arange(0, HD)
+        q_row = q_ptr + b.to(tl.int64) * stride_qb + (head * stride_qh)[:, None]
+        q_e = tl.load(q_row + 2 * c2[None, :], mask=row_ok[:, None], other=0.0).to(tl.float16)
+        q_o = tl.load(q_row + 2 * c2[None, :] + 1, mask=row_ok[:, None], other=0.0).to(tl.float16)
+        acc_e = tl.zeros((BLOCK_H, HD), tl.float32)
+        acc_o = tl.zeros((BLOCK_H, HD), tl.float32)
 
     # 1. this split's full pages, in whole tiles (per_split is a multiple of the tile's pages)
     PAGES: tl.constexpr = BLOCK_N // BS
@@ -83,30 +93,50 @@ def decode_kernel(
         page = tl.load(bt_row + n // BS, mask=nm, other=0).to(tl.int64)
         base = page * page_stride + layer_off  # [N] offset of the page's layer (in units)
         tok = n % BS
-        kt, ks = _load_page_tile(pool_ptr, base, tok, all_rows, kvh, 0, KS_OFF, True, FMT, BS, D,
-                                 DOT, NATIVE)
-        vt, vs = _load_page_tile(pool_ptr, base, tok, nm, kvh, V_OFF, VS_OFF, False, FMT, BS, D, DOT,
-                                 NATIVE)
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kt, ks, vt, vs, nm[None, :], qk_scale,
-                                      HAS_SCALE, DOT)
+        if SPLIT == 0:
+            kt, ks = _load_page_tile(pool_ptr, base, tok, all_rows, kvh, 0, KS_OFF, True, FMT, BS, D,
+                                     DOT, NATIVE)
+            vt, vs = _load_page_tile(pool_ptr, base, tok, nm, kvh, V_OFF, VS_OFF, False, FMT, BS, D,
+                                     DOT, NATIVE)
+            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kt, ks, vt, vs, nm[None, :], qk_scale,
+                                          HAS_SCALE, DOT)
+        else:
+            ke, ko = _split_tile(pool_ptr, base, tok, all_rows, kvh, 0, FMT, BS, D)
+            ks = _token_scales(pool_ptr, base, tok, all_rows, kvh, KS_OFF, FMT, BS)
+            ve, vo = _split_tile(pool_ptr, base, tok, nm, kvh, V_OFF, FMT, BS, D)
+            vs = _token_scales(pool_ptr, base, tok, nm, kvh, VS_OFF, FMT, BS)
+            acc_e, acc_o, m_i, l_i = _split_step(acc_e, acc_o, m_i, l_i, q_e, q_o, ke, ko, ks, ve, vo,
+                                                 vs, nm[None, :], qk_scale)
 
     if split == num_splits - 1:
         # 2. residual tail (prefix % BS tokens, full precision) and 3. the new token
         t = tl.arange(0, BS)
         n_tail = prefix % BS
         tm = t < n_tail
-        slot = tl.load(residual_slots_ptr + b).to(tl.int64)
-        rk = res_ptr + slot * slot_stride + res_layer_off + ((kvh * BS + t) * D)[:, None] + d[None, :]
-        kt = tl.load(rk, mask=tm[:, None], other=0.0)
-        vt = tl.load(rk + KVH * BS * D, mask=tm[:, None], other=0.0)
-        # the new token joins the tail tile as row n_tail (< BS always)
-        is_new = (t == n_tail)[:, None]
-        kn = tl.load(k_ptr + b.to(tl.int64) * stride_kb + kvh * D + d)
-        vn = tl.load(v_ptr + b.to(tl.int64) * stride_vb + kvh * D + d)
-        kt = tl.where(is_new, kn[None, :].to(kt.dtype), kt).to(DOT)
-        vt = tl.where(is_new, vn[None, :].to(vt.dtype), vt).to(DOT)
+        is_new = (t == n_tail)[:, None]  # the new token joins the tail tile as row n_tail (< BS)
         valid = (t <= n_tail)[None, :]
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kt, kt, vt, vt, valid, qk_scale, False, DOT)
+        slot = tl.load(residual_slots_ptr + b).to(tl.int64)
+        rk = res_ptr + slot * slot_stride + res_layer_off + ((kvh * BS + t) * D)[:, None]
+        rv = rk + KVH * BS * D
+        kn = k_ptr + b.to(tl.int64) * stride_kb + kvh * D
+        vn = v_ptr + b.to(tl.int64) * stride_vb + kvh * D
+        if SPLIT == 0:
+            kt = tl.where(is_new, tl.load(kn + d)[None, :], tl.load(rk + d[None, :], mask=tm[:, None], other=0.0))
+            vt = tl.where(is_new, tl.load(vn + d)[None, :], tl.load(rv + d[None, :], mask=tm[:, None], other=0.0))
+            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kt.to(DOT), kt, vt.to(DOT), vt, valid,
+                                          qk_scale, False, DOT)
+        else:
+            ones = tl.full((BS,), 1.0, tl.float32)
+            ce, co = 2 * c2, 2 * c2 + 1
+            ke = tl.where(is_new, tl.load(kn + ce)[None, :], tl.load(rk + ce[None, :], mask=tm[:, None], other=0.0))
+            ko = tl.where(is_new, tl.load(kn + co)[None, :], tl.load(rk + co[None, :], mask=tm[:, None], other=0.0))
+            ve = tl.where(is_new, tl.load(vn + ce)[None, :], tl.load(rv + ce[None, :], mask=tm[:, None], other=0.0))
+            vo = tl.where(is_new, tl.load(vn + co)[None, :], tl.load(rv + co[None, :], mask=tm[:, None], other=0.0))
+            acc_e, acc_o, m_i, l_i = _split_step(acc_e, acc_o, m_i, l_i, q_e, q_o, ke.to(tl.float16),
+                                                 ko.to(tl.float16), ones, ve.to(tl.float16),
+                                                 vo.to(tl.float16), ones, valid, qk_scale)
+    if SPLIT > 0:  # back to channel order: (m, j, 0) = channel 2j, (m, j, 1) = channel 2j + 1
+        acc = tl.reshape(tl.join(acc_e, acc_o), (BLOCK_H, D))
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -121,14 +151,92 @@ def decode_kernel(
         tl.store(op, _cast_out(o, out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+@triton.jit
+def _split_tile(pool_ptr, base, tok, n_mask, head, DATA_OFF: tl.constexpr, FMT: tl.constexpr,
+                BS: tl.constexpr, D: tl.constexpr):
+    """8-bit codes of one KV head read as 32-bit words (4 channels each) -> (even, odd channels)
+    as fp16 [N, D // 2] each, decoded two at a time in 16-bit lanes by bit operations. Splitting
+    even/odd instead of interleaving keeps the decode in whole words (no byte gathers from shared
+    memory); the dot products do not care about channel order (q is split the same way, and the
+    output is re-interleaved once at the end). e4m3 comes out as x * 2**-8 (the 256 is in the scale)."""
+    W: tl.constexpr = D // 4
+    w = tl.arange(0, W)
+    row = (head * BS + tok).to(tl.int64)
+    p32 = pool_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    x = tl.load(p32 + ((base + DATA_OFF) // 4 + row * W)[:, None] + w[None, :], mask=n_mask[:, None],
+                other=0)  # [N, W]
+    return _lanes_fp16(x & 0x00FF00FF, FMT), _lanes_fp16((x >> 8) & 0x00FF00FF, FMT)
+
+
+@triton.jit
+def _lanes_fp16(x, FMT: tl.constexpr):
+    """uint32 [N, W] with codes in bits 0-7 and 16-23 -> fp16 [N, 2W] (low lane first)."""
+    if FMT == 3:
+        f = ((x & 0x00800080) << 8) | ((x & 0x007F007F) << 7)
+    elif FMT == 4:
+        f = x << 8
+    else:  # int8: fp16(0x6400 | code ^ 0x80) = 1152 + x
+        f = (x ^ 0x00800080) | 0x64006400
+    y = tl.reshape(tl.join((f & 0xFFFF).to(tl.uint16), (f >> 16).to(tl.uint16)),
+                   (x.shape[0], 2 * x.shape[1])).to(tl.float16, bitcast=True)
+    if FMT == 5:
+        y = y - 1152.0
+    return y
+
+
+@triton.jit
+def _token_scales(pool_ptr, base, tok, n_mask, head, SCALE_OFF: tl.constexpr, FMT: tl.constexpr,
+                  BS: tl.constexpr):
+    """[N] fp32 scale of each token's codes: the page's (fp8, times 256 for e4m3's bit decode) or
+    the token's (int8)."""
+    if FMT == 5:
+        ps = pool_ptr.to(tl.pointer_type(tl.float16), bitcast=True)
+        return tl.load(ps + (base + SCALE_OFF) // 2 + head * BS + tok, mask=n_mask, other=0.0).to(tl.float32)
+    else:
+        ps = pool_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
+        s = tl.load(ps + (base + SCALE_OFF) // 4 + head, mask=n_mask, other=0.0)
+        return s * 256.0 if FMT == 3 else s
+
+
+@triton.jit
+def _split_step(acc_e, acc_o, m_i, l_i, q_e, q_o, ke, ko, ks, ve, vo, vs, valid, qk_scale):
+    """`_softmax_step` for even/odd channel halves (fp16 tiles, per-token K and V scales)."""
+    s = tl.dot(q_e, tl.trans(ke)) + tl.dot(q_o, tl.trans(ko))  # [M, N] fp32
+    s = tl.where(valid, s * (ks * qk_scale)[None, :], float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v_max = tl.maximum(tl.max(vs, axis=0), 1e-30)
+    pv = (p * (vs / v_max)[None, :]).to(tl.float16)
+    acc_e = acc_e * alpha[:, None] + tl.dot(pv, ve) * v_max
+    acc_o = acc_o * alpha[:, None] + tl.dot(pv, vo) * v_max
+    return acc_e, acc_o, m_new, l_i
+
+
 def num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int,
-               programs_per_sm: int = PROGRAMS_PER_SM, block_n: int = 64) -> int:
-    """Splits per (sequence, KV head): enough programs for `programs_per_sm` per SM (several waves,
-    so the last, partial wave costs little), each with at least MIN_TOKENS_PER_SPLIT tokens."""
-    programs = batch * kv_heads
-    want = triton.cdiv(programs_per_sm * num_sms, programs)
-    cap = max(1, max_context // max(MIN_TOKENS_PER_SPLIT, block_n))
-    return max(1, min(want, cap, MAX_SPLITS))
+               resident_per_sm: int = RESIDENT_DEFAULT, block_n: int = 64) -> int:
+    """Splits per (sequence, KV head), from shapes only. Programs move equal bytes, so the time is
+    waves (programs / programs resident at once, rounded up) x one program's time (its tokens plus a
+    fixed cost worth PROGRAM_COST_TOKENS): e.g. 16 x 8 programs on 132 SMs x 4 want 4 splits (one
+    full wave), not 5 (a second wave 20 % full); 64 x 8 want none."""
+    base = batch * kv_heads
+    capacity = max(1, num_sms * resident_per_sm)
+    cap = max(1, min(MAX_SPLITS, max_context // max(MIN_TOKENS_PER_SPLIT, block_n)))
+
+    def cost(s: int) -> float:
+        return -(-base * s // capacity) * (max_context / s + PROGRAM_COST_TOKENS)
+    return min(range(1, cap + 1), key=lambda s: (cost(s), s))
+
+
+def resident_programs(n_regs: int, shared: int, num_warps: int, smem_per_sm: int) -> int:
+    """Programs of a compiled kernel that fit on one SM at once (registers are allocated per warp in
+    units of 256, each program reserves 1 KB of shared memory beside its own)."""
+    regs_per_warp = -(-n_regs * 32 // 256) * 256
+    by_regs = REGS_PER_SM // max(1, regs_per_warp * num_warps)
+    by_smem = smem_per_sm // (shared + 1024)
+    by_threads = 2048 // (32 * num_warps)
+    return max(1, min(by_regs, by_smem, by_threads, 32))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -137,11 +245,37 @@ def _num_sms(device: torch.device) -> int:
     return NUM_SMS_DEFAULT
 
 
+class _Residency:
+    """Programs per SM of each compiled decode variant, read once from its registers and shared
+    memory (a variant is compiled before its first launch anyway)."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple, int] = {}
+
+    def get(self, key: tuple, device: torch.device, compile_variant) -> int:
+        if key not in self._by_key:
+            n = RESIDENT_DEFAULT
+            if device.type == "cuda":
+                try:
+                    kernel = compile_variant()
+                    kernel._init_handles()
+                    props = torch.cuda.get_device_properties(device)
+                    n = resident_programs(kernel.n_regs, kernel.metadata.shared, kernel.metadata.num_warps,
+                                          props.shared_memory_per_multiprocessor)
+                except Exception:  # an unknown Triton version: keep the default
+                    n = RESIDENT_DEFAULT
+            self._by_key[key] = n
+        return self._by_key[key]
+
+
+_RESIDENCY = _Residency()
+
+
 def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      meta: AttentionMetadata, scale: float, *, splits: int | None = None,
                      block_n: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                     programs_per_sm: int = PROGRAMS_PER_SM, native_cvt: bool = False,
-                     maxnreg: int | None = None) -> torch.Tensor:
+                     programs_per_sm: int = 0, native_cvt: bool = False,
+                     split_codes: bool = False, maxnreg: int | None = None) -> torch.Tensor:
     """out [B, H, D] for q [B, H, D] (one new token per sequence, k/v [B, KVH, D] its new K/V).
     The keyword arguments override the defaults (benchmarks, tests): `native_cvt` converts fp8/int8
     with the hardware instructions instead of bit operations; `maxnreg` caps registers per thread."""
@@ -156,34 +290,41 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
         block_n = max(64, L.block_size)
     if block_n % L.block_size:
         raise ValueError(f"block_n must be a multiple of the block size {L.block_size}, got {block_n}")
-    if splits is None:
-        splits = num_splits(B, L.kv_heads, meta.max_prefix_len + 1, _num_sms(q.device),
-                            programs_per_sm, block_n)
     fmt = FMT_CODES[L.kv_dtype]
     unit = _unit(fmt)
+    split_codes = split_codes and fmt in (FMT_E4M3, FMT_E5M2, FMT_INT8)
     out = torch.empty_like(q)
+    res = cache.residual
+    args = dict(
+        q_ptr=q, k_ptr=k, v_ptr=v, out_ptr=out, pool_ptr=cache.pool, res_ptr=res,
+        prefix_lens_ptr=meta.prefix_lens, block_tables_ptr=meta.block_tables,
+        residual_slots_ptr=meta.residual_slots,
+        stride_qb=q.stride(0), stride_qh=q.stride(1), stride_kb=k.stride(0), stride_vb=v.stride(0),
+        stride_ob=out.stride(0), stride_oh=out.stride(1), stride_bt=meta.block_tables.stride(0),
+        page_stride=L.block_bytes // unit, layer_off=layer * L.layer_bytes // unit,
+        slot_stride=res.stride(0), res_layer_off=layer * res.stride(1), qk_scale=scale * LOG2E,
+        V_OFF=L.v_data_offset // unit, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset,
+        FMT=fmt, HAS_SCALE=fmt in (FMT_E4M3, FMT_E5M2, FMT_INT8), KVH=L.kv_heads, G=G,
+        BS=L.block_size, D=D, BLOCK_H=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
+        DOT=_dot_dtype(fmt, q), NATIVE=native_cvt, SPLIT=int(split_codes),
+        num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
+    if splits is None:
+        if programs_per_sm:
+            resident = programs_per_sm
+        else:  # the partial-writing variant is the one that runs whenever splitting pays
+            key = tuple(v for n, v in args.items() if n.isupper() or n.startswith(("num_", "max"))) + (
+                q.dtype, q.device)
+            resident = _RESIDENCY.get(key, q.device, lambda: decode_kernel.warmup(
+                **args, part_out_ptr=torch.float32, part_lse_ptr=torch.float32, num_splits=2, PARTIAL=True,
+                grid=(1,)))
+        splits = num_splits(B, L.kv_heads, meta.max_prefix_len + 1, _num_sms(q.device), resident, block_n)
     if splits > 1:
         part_out = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
-    res = cache.residual
-    extra = {} if maxnreg is None else {"maxnreg": maxnreg}
-    decode_kernel[(B, L.kv_heads, splits)](
-        q_ptr=q, k_ptr=k, v_ptr=v, out_ptr=out, part_out_ptr=part_out, part_lse_ptr=part_lse,
-        pool_ptr=cache.pool, res_ptr=res, prefix_lens_ptr=meta.prefix_lens,
-        block_tables_ptr=meta.block_tables, residual_slots_ptr=meta.residual_slots,
-        stride_qb=q.stride(0), stride_qh=q.stride(1), stride_kb=k.stride(0), stride_vb=v.stride(0),
-        stride_ob=out.stride(0), stride_oh=out.stride(1), stride_bt=meta.block_tables.stride(0),
-        page_stride=L.block_bytes // unit, layer_off=layer * L.layer_bytes // unit,
-        slot_stride=res.stride(0), res_layer_off=layer * res.stride(1),
-        qk_scale=scale * LOG2E, num_splits=splits,
-        V_OFF=L.v_data_offset // unit, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset,
-        FMT=fmt, HAS_SCALE=fmt in (FMT_E4M3, FMT_E5M2, FMT_INT8), KVH=L.kv_heads, G=G,
-        BS=L.block_size, D=D, BLOCK_H=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
-        PARTIAL=splits > 1, DOT=_dot_dtype(fmt, q), NATIVE=native_cvt,
-        num_warps=num_warps, num_stages=num_stages, **extra,
-    )
+    decode_kernel[(B, L.kv_heads, splits)](**args, part_out_ptr=part_out, part_lse_ptr=part_lse,
+                                           num_splits=splits, PARTIAL=splits > 1)
     if splits > 1:
         reduce_splits_kernel[(B, H)](
             part_out_ptr=part_out, part_lse_ptr=part_lse, out_ptr=out,
