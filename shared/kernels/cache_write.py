@@ -15,43 +15,62 @@ import torch
 import triton
 import triton.language as tl
 
-from kvmesh.kernels.formats import FMT_CODES, div_rn_fma, fp16_round_scale, rint_even, to_bf16_rne
+from kvmesh.kernels.formats import (FMT_CODES, FMT_E4M3, FMT_INT8, div_rn_fma, fp16_round_scale, rint_even,
+                                    to_bf16_rne)
 from kvmesh.kernels.int4_codec import store_int4_k, store_int4_v
 from kvmesh.kv.layout import BlockLayout
 from kvmesh.kv.pool import KVCache
 
 
 @triton.jit
+def _gather_raw(res_ptr, new_ptr, rows, slot_stride, res_off, new_stride_t, head, kv: tl.constexpr,
+                R, KVH: tl.constexpr, BS: tl.constexpr, cols, D: tl.constexpr):
+    """Rows `rows` [BS] of S, channels `cols` [C] -> [BS, C] in the sources' dtype (fp32 if they differ)."""
+    rows = rows.to(tl.int32)  # [BS] < 2**31 rows in S; int32 index math, int64 only for the products
+    is_new = rows >= R
+    r_res = tl.where(is_new, 0, rows)
+    r_new = tl.where(is_new, rows - R, 0)
+    res_row = (r_res // BS).to(tl.int64) * slot_stride + res_off + ((kv * KVH + head) * BS + r_res % BS) * D
+    new_row = r_new.to(tl.int64) * new_stride_t + head * D
+    if res_ptr.dtype == new_ptr.dtype:  # one load per row from whichever source holds it
+        src = tl.where(is_new, new_ptr + new_row, res_ptr + res_row)  # [BS] pointers
+        x = tl.load(src[:, None] + cols[None, :])
+    else:
+        a = tl.load(res_ptr + res_row[:, None] + cols[None, :], mask=(~is_new)[:, None], other=0.0)
+        b = tl.load(new_ptr + new_row[:, None] + cols[None, :], mask=is_new[:, None], other=0.0)
+        x = tl.where(is_new[:, None], b.to(tl.float32), a.to(tl.float32))
+    return x
+
+
+@triton.jit
 def _gather_rows(res_ptr, new_ptr, rows, slot_stride, res_off, new_stride_t, head, kv: tl.constexpr,
                  R, KVH: tl.constexpr, BS: tl.constexpr, cols, D: tl.constexpr):
     """Rows `rows` [BS] of S, channels `cols` [C] -> fp32 [BS, C]."""
-    is_new = rows >= R  # [BS]
-    r_res = tl.where(is_new, 0, rows)
-    r_new = tl.where(is_new, rows - R, 0)
-    res_row = (r_res // BS) * slot_stride + res_off + ((kv * KVH + head) * BS + r_res % BS) * D
-    new_row = r_new * new_stride_t + head * D
-    if res_ptr.dtype == new_ptr.dtype:  # one load per row from whichever source holds it
-        src = tl.where(is_new, new_ptr + new_row, res_ptr + res_row)  # [BS] pointers
-        return tl.load(src[:, None] + cols[None, :]).to(tl.float32)
-    a = tl.load(res_ptr + res_row[:, None] + cols[None, :], mask=(~is_new)[:, None], other=0.0)
-    b = tl.load(new_ptr + new_row[:, None] + cols[None, :], mask=is_new[:, None], other=0.0)
-    return tl.where(is_new[:, None], b.to(tl.float32), a.to(tl.float32))
+    return _gather_raw(res_ptr, new_ptr, rows, slot_stride, res_off, new_stride_t, head, kv, R, KVH, BS,
+                       cols, D).to(tl.float32)
 
 
 @triton.jit
 def _store_plain(pool_ptr, base, head, x, FMT: tl.constexpr, BS: tl.constexpr, D: tl.constexpr):
+    """x [BS, D] in the sources' dtype; stored as is when that is the page dtype."""
     t = tl.arange(0, BS)
     d = tl.arange(0, D)
     off = (head * BS + t)[:, None] * D + d[None, :]  # [BS, D] elements
     if FMT == 0:
         p = pool_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
-        tl.store(p + base // 4 + off, x)
+        tl.store(p + base // 4 + off, x.to(tl.float32))
     elif FMT == 1:
         p = pool_ptr.to(tl.pointer_type(tl.float16), bitcast=True)
-        tl.store(p + base // 2 + off, x.to(tl.float16))
+        if x.dtype == tl.float16:
+            tl.store(p + base // 2 + off, x)
+        else:
+            tl.store(p + base // 2 + off, x.to(tl.float32).to(tl.float16))
     else:
         p = pool_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
-        tl.store(p + base // 2 + off, to_bf16_rne(x))
+        if x.dtype == tl.bfloat16:
+            tl.store(p + base // 2 + off, x)
+        else:
+            tl.store(p + base // 2 + off, to_bf16_rne(x.to(tl.float32)))
 
 
 @triton.jit
@@ -76,19 +95,28 @@ def _fp8_encode(y, FMT: tl.constexpr):
 
 
 @triton.jit
-def _store_fp8(pool_ptr, base, scale_base, head, x, FMT: tl.constexpr, BS: tl.constexpr,
+def _div_by_const(a, C: tl.constexpr, HW: tl.constexpr):
+    """div_rn(a, C) for a scale: two fma corrections of a * RN(1/C) (exact for every fp32 a)."""
+    if HW:
+        return div_rn_fma(a, C, 1.0 / C, 2)
+    return tl.math.div_rn(a, C)
+
+
+@triton.jit
+def _store_fp8(pool_ptr, base, scale_base, head, x, amax, FMT: tl.constexpr, BS: tl.constexpr,
                D: tl.constexpr, HW: tl.constexpr, STEPS: tl.constexpr):
     """One scale per (page, layer, head), fp32: s = max(absmax, 1e-6) / FMAX."""
     FMAX: tl.constexpr = 448.0 if FMT == 3 else 57344.0
-    s = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 1e-6), FMAX)
+    s = _div_by_const(tl.maximum(amax.to(tl.float32), 1e-6), FMAX, HW)
+    x = x.to(tl.float32)
     t = tl.arange(0, BS)
     d = tl.arange(0, D)
     off = base + (head * BS + t)[:, None] * D + d[None, :]  # [BS, D] bytes
     if HW:
-        # The same bytes as the integer path below: q is x / s exactly (div_rn_fma; off its exact
-        # domain |x / s| < 2**-60 and both paths store x's signed zero). cvt.rn.satfinite rounds
-        # half-to-even, makes fp8 subnormals exactly, and saturates to +-FMAX: the same as clamping
-        # first, since |q| <= FMAX * (1 + 2**-23) (s is absmax / FMAX rounded).
+        # The same bytes as the integer path below: q is x / s exactly whenever |x / s| >= 2**-60
+        # (div_rn_fma: x, q and the residual are then normal, as s >= 2**-36); below, both paths
+        # store x's signed zero. cvt.rn.satfinite rounds half-to-even, makes fp8 subnormals exactly
+        # and saturates to +-FMAX: the same as clamping first (|q| <= FMAX * (1 + 2**-23)).
         q = div_rn_fma(x, s, tl.math.div_rn(1.0, s), STEPS)
         F8: tl.constexpr = tl.float8e4nv if FMT == 3 else tl.float8e5
         tl.store(pool_ptr.to(tl.pointer_type(F8), bitcast=True) + off, q.to(F8))
@@ -103,7 +131,9 @@ def _store_fp8(pool_ptr, base, scale_base, head, x, FMT: tl.constexpr, BS: tl.co
 def _store_int8(pool_ptr, base, scale_base, head, x, BS: tl.constexpr, D: tl.constexpr,
                 HW: tl.constexpr, STEPS: tl.constexpr):
     """Symmetric, one fp16 scale per (token, head)."""
-    s = fp16_round_scale(tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-6), 127.0))  # [BS]
+    amax = tl.max(tl.abs(x), axis=1).to(tl.float32)  # [BS], exact in the input dtype
+    x = x.to(tl.float32)
+    s = fp16_round_scale(_div_by_const(tl.maximum(amax, 1e-6), 127.0, HW))  # [BS]
     if HW:
         q = div_rn_fma(x, s[:, None], tl.math.div_rn(1.0, s)[:, None], STEPS)
     else:
@@ -113,7 +143,8 @@ def _store_int8(pool_ptr, base, scale_base, head, x, BS: tl.constexpr, D: tl.con
     q = tl.minimum(tl.maximum(q, -127.0), 127.0) + 12582912.0
     t = tl.arange(0, BS)
     d = tl.arange(0, D)
-    tl.store(pool_ptr + base + (head * BS + t)[:, None] * D + d[None, :], q.to(tl.uint32, bitcast=True).to(tl.uint8))
+    code = q.to(tl.uint32, bitcast=True).to(tl.uint8)
+    tl.store(pool_ptr + base + (head * BS + t)[:, None] * D + d[None, :], code)
     ps = pool_ptr.to(tl.pointer_type(tl.float16), bitcast=True)
     tl.store(ps + scale_base // 2 + head * BS + t, s.to(tl.float16))
 
@@ -140,7 +171,8 @@ def _cache_write_kernel(
     blk = tl.program_id(0)
     head = tl.program_id(1)
     page = tl.load(block_ids_ptr + blk)
-    rows = tl.load(block_rows_ptr + blk * BS + tl.arange(0, BS))  # [BS] int64, not waiting on page
+    rows = tl.load(block_rows_ptr + blk * BS + tl.arange(0, BS))  # [BS] int64
+    tl.debug_barrier()  # keeps the rows load here, in flight with the page id's, not sunk below the test
     if page >= 0:
         base = page.to(tl.int64) * page_stride + layer_off  # byte offset of this page's layer
         if FMT == 6:  # contiguous row loads; the codec splits even/odd channels itself
@@ -151,14 +183,17 @@ def _cache_write_kernel(
             store_int4_v(pool_ptr, base + V_OFF, base + VS_OFF, base + KS_OFF, head, vx, BS, D)
         else:
             d = tl.arange(0, D)
-            kx = _gather_rows(res_ptr, k_ptr, rows, slot_stride, res_layer_off, stride_kt, head, 0, R, KVH, BS, d, D)
-            vx = _gather_rows(res_ptr, v_ptr, rows, slot_stride, res_layer_off, stride_vt, head, 1, R, KVH, BS, d, D)
+            kx = _gather_raw(res_ptr, k_ptr, rows, slot_stride, res_layer_off, stride_kt, head, 0, R, KVH, BS, d, D)
+            vx = _gather_raw(res_ptr, v_ptr, rows, slot_stride, res_layer_off, stride_vt, head, 1, R, KVH, BS, d, D)
             if FMT <= 2:
                 _store_plain(pool_ptr, base, head, kx, FMT, BS, D)
                 _store_plain(pool_ptr, base + V_OFF, head, vx, FMT, BS, D)
             elif FMT <= 4:
-                _store_fp8(pool_ptr, base, base + KS_OFF, head, kx, FMT, BS, D, HW, STEPS)
-                _store_fp8(pool_ptr, base + V_OFF, base + VS_OFF, head, vx, FMT, BS, D, HW, STEPS)
+                # both tiles' maxima in one cross-warp reduction (exact in the input dtype)
+                rk, rv = tl.max(tl.abs(kx), axis=1), tl.max(tl.abs(vx), axis=1)  # [BS] row maxima
+                ka, va = tl.split(tl.max(tl.join(rk, rv), axis=0))
+                _store_fp8(pool_ptr, base, base + KS_OFF, head, kx, ka, FMT, BS, D, HW, STEPS)
+                _store_fp8(pool_ptr, base + V_OFF, base + VS_OFF, head, vx, va, FMT, BS, D, HW, STEPS)
             else:
                 _store_int8(pool_ptr, base, base + KS_OFF, head, kx, BS, D, HW, STEPS)
                 _store_int8(pool_ptr, base + V_OFF, base + VS_OFF, head, vx, BS, D, HW, STEPS)
@@ -202,7 +237,7 @@ def write_blocks(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
         FMT=FMT_CODES[L.kv_dtype], KVH=L.kv_heads, BS=L.block_size, D=L.head_dim,
         HW=os.environ.get("TRITON_INTERPRET") != "1",
         STEPS=1 if {res.dtype, k.dtype, v.dtype} <= {torch.float16, torch.bfloat16} else 2,
-        num_warps=4,
+        num_warps=2 if FMT_E4M3 <= FMT_CODES[L.kv_dtype] <= FMT_INT8 else 4,
     )
 
 
