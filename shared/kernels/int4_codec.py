@@ -108,46 +108,63 @@ def store_int4_v(pool_ptr, base, scale_base, krec_base, head, x, BS: tl.constexp
 
 
 @triton.jit
-def _header(pool_ptr, byte, n_mask):
-    """bf16 (m_base, m_step, s_step) at byte offsets [N] (8-aligned) -> three fp32 [N, 1]."""
+def _header(pool_ptr, byte, n_mask, DOT: tl.constexpr):
+    """bf16 (m_base, m_step, s_step) at byte offsets [N] (8-aligned) -> m_base, m_step * C, s_step * C
+    as [N, 1] in DOT, C = _code's scale (fp16: 256, so steps down to 2**-22 stay normal)."""
     h = tl.load(pool_ptr.to(tl.pointer_type(tl.uint64), bitcast=True) + byte // 8, mask=n_mask, other=0)
     m_base = (h.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     m_step = ((h >> 16).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     s_step = ((h >> 32).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    return m_base[:, None], m_step[:, None], s_step[:, None]
+    C: tl.constexpr = 256.0 if DOT == tl.float16 else 1.0
+    return m_base.to(DOT)[:, None], (m_step * C).to(DOT)[:, None], (s_step * C).to(DOT)[:, None]
 
 
 @triton.jit
-def _u8_float(c):
-    """uint8 codes -> fp32, exact, by bits: fp32(0x4B000000 | c) = 2**23 + c."""
-    return (c.to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+def _code(c, DOT: tl.constexpr):
+    """8-bit codes -> c / C in DOT, exact, by bits (no int-to-float instructions): fp16(0x4400 | c) =
+    4 + c / 256 (C = 256), fp32(0x4B000000 | c) = 2**23 + c (C = 1)."""
+    if DOT == tl.float16:
+        return (c.to(tl.uint16) | 0x4400).to(tl.float16, bitcast=True) - 4.0
+    else:
+        return (c.to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _nibble(c, DOT: tl.constexpr):
+    """4-bit codes -> DOT, exact: fp16(0x6400 | c) = 1024 + c, fp32(0x4B000000 | c) = 2**23 + c."""
+    if DOT == tl.float16:
+        return (c.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    else:
+        return (c.to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
 def load_int4_tile(pool_ptr, base, row, n_mask, head, DATA_OFF: tl.constexpr, SCALE_OFF: tl.constexpr,
                    IS_KEY: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr):
     """Rows `row` [N] (of [KVH, BS]) of the pages' layer regions at byte offsets `base` [N], one KV
-    head -> [N, D] in DOT: q * s + m in fp32, (s, m) decoded from the codes per row."""
+    head -> [N, D] in DOT: q * s + m with (s, m) decoded from the codes, all in DOT (fp16 on the GPU:
+    packed half2 math, fp16 rounding like the fp16 dot operands themselves)."""
     m2 = n_mask[:, None]
     HALF: tl.constexpr = D // 2
+    N: tl.constexpr = row.shape[0]
     j = tl.arange(0, HALF)
     b = tl.load(pool_ptr + (base + DATA_OFF + row * HALF)[:, None] + j[None, :], mask=m2, other=0)
-    q = tl.reshape(tl.join(_u8_float(b & 0xF), _u8_float(b >> 4)), (b.shape[0], D))  # [N, D]
+    q = tl.reshape(tl.join(_nibble(b & 0xF, DOT), _nibble(b >> 4, DOT)), (N, D))  # [N, D]
     if IS_KEY:  # record [K header | V header | s codes [D] | m codes [D]] per head, per channel
         rec = base + SCALE_OFF + head * (HEADER + 2 * D)
-        m_base, m_step, s_step = _header(pool_ptr, rec, n_mask)
+        m_base, m_step, s_step = _header(pool_ptr, rec, n_mask, DOT)
         d = tl.arange(0, D)
         cs = tl.load(pool_ptr + (rec + HEADER)[:, None] + d[None, :], mask=m2, other=0)
         cm = tl.load(pool_ptr + (rec + HEADER + D)[:, None] + d[None, :], mask=m2, other=0)
-        x = q * (_u8_float(cs) * s_step) + (_u8_float(cm) * m_step + m_base)
+        x = q * (_code(cs, DOT) * s_step) + (_code(cm, DOT) * m_step + m_base)
     else:  # codes [KVH, BS, 2, G] per token and 32 channels; the header sits in the K record, and
         # the K scale region starts at 2 * DATA_OFF (layout: [K data | V data | K scales | ...])
         G: tl.constexpr = D // 32
-        m_base, m_step, s_step = _header(pool_ptr, base + 2 * DATA_OFF + head * (HEADER + 2 * D) + 8, n_mask)
+        F32: tl.constexpr = tl.float32  # (s, m) per 32 channels: cheap in fp32, rounded once to DOT
+        m_base, m_step, s_step = _header(pool_ptr, base + 2 * DATA_OFF + head * (HEADER + 2 * D) + 8, n_mask, F32)
         g = tl.arange(0, G)
         cb = (base + SCALE_OFF + row * (2 * G))[:, None] + g[None, :]
-        s = _u8_float(tl.load(pool_ptr + cb, mask=m2, other=0)) * s_step  # [N, G]
-        m = _u8_float(tl.load(pool_ptr + cb + G, mask=m2, other=0)) * m_step + m_base
-        x3 = tl.reshape(q, (b.shape[0], G, 32)) * s[:, :, None] + m[:, :, None]
-        x = tl.reshape(x3, (b.shape[0], D))
-    return x.to(DOT)
+        s = (_code(tl.load(pool_ptr + cb, mask=m2, other=0), F32) * s_step).to(DOT)  # [N, G]
+        m = (_code(tl.load(pool_ptr + cb + G, mask=m2, other=0), F32) * m_step + m_base).to(DOT)
+        x = tl.reshape(tl.reshape(q, (N, G, 32)) * s[:, :, None] + m[:, :, None], (N, D))
+    return x
