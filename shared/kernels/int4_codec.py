@@ -13,9 +13,10 @@ STEP_FLOOR = tl.constexpr(5.960464477539063e-08)  # 2**-24, quant.INT4_STEP_FLOO
 @triton.jit
 def int4_code(x, m, inv):
     """round_half_even((x - m) * inv) as uint32: adding 1.5 * 2**23 puts the integer in the low
-    mantissa bits (no F2I). No clamp needed: m <= x exactly and (x - m) * inv <= 15 * (1 + 2**-22)
-    (layout.py), so the code is the clamped one of quant.py."""
-    y = (x - m) * inv + 12582912.0
+    mantissa bits (no F2I). No upper clamp needed: (x - m) * inv <= 15 * (1 + 2**-22) (layout.py).
+    The max with 0 is a no-op (m <= x exactly) that keeps the multiply from fusing into the add: an
+    fma would round the exact product once, quant.py rounds the product, then to an integer."""
+    y = tl.maximum((x - m) * inv, 0.0) + 12582912.0
     return y.to(tl.uint32, bitcast=True) & 0xF
 
 
