@@ -232,3 +232,45 @@ def test_gpu_hardware_paths_byte_exact_near_ties(kv, dt):
     ref = KVCache(layout, n, 1, dt, "cpu")
     store_blocks(ref.layer_view(0), torch.arange(n), quantize_blocks(k.view(n, bs, H, D), v.view(n, bs, H, D), kv))
     assert_pages_match(kv, got, ref)
+
+
+def int4_hard_blocks(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V fp32 [6, 16, 2, 64]: constant channels, an outlier, all-negative and far-offset blocks,
+    zeros, then a block whose inner values sit on and next to the code ties (x - m) / s = k + 1/2
+    of its own groups (group ends untouched, so the reference's (s, m) stay those used here)."""
+    n, bs, H, D = 6, 16, 2, 64
+    k = torch.randn(n, bs, H, D, generator=gen) * 3
+    k[0, :, :, 5] = 3.0
+    k[1, 2, 0, 9] = -300.0
+    k[2] = -k[2].abs() - 50.0
+    k[3] = k[3] * 1e-3 + 1e3
+    k[4] = 0.0
+    v = torch.randn(n, bs, H, D, generator=gen)
+    qb = quantize_blocks(k[5:], v[5:], "int4")
+    rec = qb.k_scale[0]  # [H, 16 + 2D]: K header, V header, s codes, m codes
+    h = rec[:, :8].contiguous().view(torch.bfloat16).float()  # [H, 4]
+    s = rec[:, 16:16 + D].float() * h[:, 2:3]  # [H, D]
+    m = rec[:, 16 + D:].float() * h[:, 1:2] + h[:, 0:1]
+    x = k[5].transpose(0, 1)  # [H, bs, D]
+    ties = m[:, None] + (torch.randint(0, 15, x.shape, generator=gen) + 0.5) * s[:, None]
+    bits = ties.view(torch.int32) + torch.randint(-2, 3, x.shape, generator=gen, dtype=torch.int32)
+    inner = (x > x.amin(1, keepdim=True)) & (x < x.amax(1, keepdim=True))
+    lo, hi = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
+    k[5] = torch.where(inner, bits.view(torch.float32).clamp(lo, hi), x).transpose(0, 1)
+    return k, v
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_int4_hard_blocks_byte_exact(device):
+    # int4's code pairs, headers and nibbles on edge-case groups and near code ties, fp32 rows
+    k, v = int4_hard_blocks(torch.Generator().manual_seed(7))
+    n, bs, H, D = k.shape
+    layout = BlockLayout(num_layers=1, kv_heads=H, head_dim=D, block_size=bs, kv_dtype="int4")
+    got = KVCache(layout, n, 1, torch.float32, device)
+    rows = torch.arange(n * bs, device=device).view(n, bs) + bs  # all new rows
+    write_blocks(got, 0, k.reshape(n * bs, H, D).to(device), v.reshape(n * bs, H, D).to(device), rows,
+                 torch.arange(n, device=device))
+    ref = KVCache(layout, n, 1, torch.float32, "cpu")
+    store_blocks(ref.layer_view(0), torch.arange(n), quantize_blocks(k, v, "int4"))
+    got.pool = got.pool.cpu()
+    assert_pages_match("int4", got, ref)
