@@ -5,7 +5,9 @@ S = cat(residual rows, new rows) (the `WritePlan` numbering), computes the scale
 block, quantizes, and stores data + scales at the page's byte offsets (`kv/layout.py`). Pages with
 id -1 are padding: the program returns at once, so the grid is fixed (CUDA-graph friendly).
 The math follows `kvmesh.kv.quant` exactly: scales rounded to their stored dtype before quantizing,
-IEEE division (`div_rn`), round-half-even.
+correctly rounded division (`div_rn`; on the GPU its fma form `formats.div_rn_fma`), round-half-even.
+On the GPU fp8 uses the hardware cast; under the interpreter an integer encoder (same bytes, see
+docs/kernels.md "Cache write").
 """
 from __future__ import annotations
 

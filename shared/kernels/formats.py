@@ -32,14 +32,15 @@ def fp16_round_scale(s):
 def div_rn_fma(x, s, inv, STEPS: tl.constexpr):
     """x / s rounded to nearest-even, the bits of `tl.math.div_rn(x, s)` signed zeros included, from
     inv = div_rn(1.0, s) computed once per scale: q = x * inv, then STEPS Markstein corrections
-    q -= (q * s - x) * inv (each residual q * s - x is exact in the fma). GPU only: the interpreter's
-    fma rounds twice. Exact for normal operands and results: inv = RN(1/s), one correction makes q
-    faithful, and a faithful q plus one correction is RN(x / s) (Markstein's theorem), so STEPS=2
-    holds for every fp32 x; STEPS=1 was checked exhaustively for every x with an fp16 or bf16
-    significand against every fp32 s significand (2**33 pairs; C fmaf against IEEE `/`, with the
-    STEPS=1 and 2 sequences as well as bare x * inv as a control, which fails 27 %). Off that domain
-    (x or x / s below ~2**-100) callers rely only on |q| staying that tiny with x's sign, which it does:
-    written as q * s - x (not x - q * s), the residual of a zero or underflowed q keeps the sign."""
+    q -= (q * s - x) * inv (the residual q * s - x is exact in an fma). GPU only: the interpreter's
+    fma rounds twice. Exact for normal operands and results: one correction makes q faithful, and a
+    faithful q plus one correction is RN(x / s) when inv = RN(1/s) (Markstein's theorem), so STEPS=2
+    holds for every fp32 x; STEPS=1 was checked exhaustively for every x with an fp16 (so also bf16)
+    significand against every fp32 s significand: 2**33 pairs, none off (C with fmaf against IEEE
+    `/`, in tests/test_kernels_cache_write.py; bare x * inv misrounds 27 % of them). Below that
+    domain (x or x / s under ~2**-100) q stays that tiny and keeps x's sign: the residual is written
+    q * s - x, not x - q * s, so a zero or underflowed q does not turn -0 into +0. `x * -1.0` is a
+    negation folded into the FFMA (Triton's `-x` is 0 - x, an extra FADD)."""
     q = x * inv
     for _ in tl.static_range(STEPS):
         q = tl.fma(tl.fma(q, s, x * -1.0), -inv, q)
