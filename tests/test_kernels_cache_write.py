@@ -46,7 +46,8 @@ def cpu_quantized(k: torch.Tensor, v: torch.Tensor, kv: str) -> QuantizedBlocks:
 
 
 def assert_pages_match(kv: str, got: KVCache, want: KVCache) -> None:
-    assert torch.equal(got.pool, want.pool), f"{kv}: {int((got.pool != want.pool).sum())} bytes differ"
+    a, b = got.pool.cpu(), want.pool.cpu()
+    assert torch.equal(a, b), f"{kv}: {int((a != b).sum())} bytes differ"
 
 
 @pytest.mark.parametrize("kv", DTYPES)

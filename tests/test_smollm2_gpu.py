@@ -31,26 +31,46 @@ def _model() -> str:
     return os.environ.get("KVMESH_SMOLLM2_GGUF", "smollm2")
 
 
-def _greedy(backend: str, kv: str) -> list[list[int]]:
+TIE_NATS = 0.02  # a top-2 log-probability gap this small is a tie at fp16 precision
+
+
+def _greedy(backend: str, kv: str) -> list:
+    """Per prompt: (token ids, top-2 (token, logprob) pairs at every step)."""
     from kvmesh import LLM, SamplingParams
     llm = LLM(_model(), dtype="fp16", device="cuda", kv_cache_dtype=kv, attention_backend=backend,
               kv_cache_memory=256 << 20, max_num_seqs=8)
-    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    out = [o.outputs[0].token_ids for o in llm.chat(PROMPTS, sp)]
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
+    out = [(o.outputs[0].token_ids, [lp.top for lp in o.outputs[0].logprobs]) for o in llm.chat(PROMPTS, sp)]
     llm.llm_engine.kv.check_integrity()
     del llm
     torch.cuda.empty_cache()
     return out
 
 
+def _first_divergence(ref: list[int], got: list[int]):
+    return next((j for j, (x, y) in enumerate(zip(ref, got)) if x != y), None)
+
+
 @gpu
 def test_smollm2_greedy_triton_equals_torch_fp16_kv():
-    ref = _greedy("torch", "auto")
-    got = _greedy("triton", "auto")
-    for i, (a, b) in enumerate(zip(ref, got)):
-        first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        assert first is None, f"prompt {i}: Triton diverges from torch at token {first}: {a[first:first + 5]} vs {b[first:first + 5]}"
-    assert all(len(a) == NEW_TOKENS for a in got)
+    """Identical greedy tokens, except that a continuation may part at an exact tie: at the first
+    differing token both paths must rank the same two tokens within TIE_NATS of each other (the two
+    paths sum in different orders, so a tie can break either way; anything else fails)."""
+    ref, got = _greedy("torch", "auto"), _greedy("triton", "auto")
+    identical = 0
+    for i, ((a, a_top), (b, b_top)) in enumerate(zip(ref, got)):
+        assert len(b) == NEW_TOKENS
+        j = _first_divergence(a, b)
+        if j is None:
+            identical += 1
+            continue
+        gap = a_top[j][0][1] - a_top[j][1][1]
+        print(f"prompt {i}: parts at token {j} on a tie (torch top-2 gap {gap:.4f} nats)")
+        assert {t for t, _ in a_top[j]} == {t for t, _ in b_top[j]} and gap < TIE_NATS, (
+            f"prompt {i}: Triton diverges from torch at token {j} without a tie: torch top-2 "
+            f"{a_top[j]}, triton top-2 {b_top[j]}")
+    print(f"SmolLM2 fp16 KV: {identical}/{len(ref)} continuations identical over {NEW_TOKENS} tokens")
+    assert identical >= len(ref) - 1
 
 
 @gpu
@@ -58,7 +78,7 @@ def test_smollm2_quantized_kv_report():
     """fp8 / int8 / int4 KV: the pages are byte-identical between backends (tested elsewhere) and only the
     attention's summation order differs, so most greedy continuations must agree; the count is printed."""
     for kv in ("fp8", "int8", "int4"):
-        a, b = _greedy("torch", kv), _greedy("triton", kv)
+        a, b = [t for t, _ in _greedy("torch", kv)], [t for t, _ in _greedy("triton", kv)]
         same = sum(x == y for x, y in zip(a, b))
         print(f"SmolLM2 {kv} KV: torch vs triton identical continuations {same}/{len(a)}")
         assert all(len(x) == NEW_TOKENS for x in b)

@@ -15,12 +15,16 @@ Decode is memory-bound, so what matters is bytes in flight and whole waves:
 """
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from kvmesh.kernels.backend import AttentionMetadata
-from kvmesh.kernels.formats import FMT_CODES, FMT_E4M3, FMT_E5M2, FMT_INT8
+from kvmesh.kernels.formats import (FMT_BF16, FMT_CODES, FMT_E4M3, FMT_E5M2, FMT_FP16, FMT_FP32,
+                                    FMT_INT4, FMT_INT8)
 from kvmesh.kernels.paged_attention import (LOG2E, _cast_out, _check, _dot_dtype, _load_page_tile,
                                             _softmax_step, _unit, reduce_splits_kernel)
 from kvmesh.kv.pool import KVCache
@@ -31,6 +35,22 @@ MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the para
 PROGRAM_COST_TOKENS = 128  # a program's fixed cost (prologue, tail, partial write) in tokens read
 MAX_SPLITS = 64
 REGS_PER_SM = 65536
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """Launch choices of the decode kernel for one KV format."""
+
+    block_n: int  # tokens per tile (a multiple of the block size)
+    num_stages: int  # Triton pipeline depth: 5 gives two buffers of K/V tiles, 3 one, 1 none
+    native_cvt: bool = False  # hardware fp8 -> fp16 conversion instead of bit operations
+    split_codes: bool = False  # 8-bit codes as 32-bit words, even/odd channel halves
+
+
+# Fastest on the H200 over 64 x 4096 and 16 x 16384 (benchmarks/decode_sweep.py, docs/kernels.md).
+TILES = {FMT_FP32: DecodeTiles(32, 3), FMT_FP16: DecodeTiles(32, 5), FMT_BF16: DecodeTiles(128, 3),
+         FMT_E4M3: DecodeTiles(128, 5, native_cvt=True), FMT_E5M2: DecodeTiles(128, 5, native_cvt=True),
+         FMT_INT8: DecodeTiles(64, 1, split_codes=True), FMT_INT4: DecodeTiles(32, 5)}
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # one compile for every split count
@@ -262,8 +282,9 @@ class _Residency:
                     props = torch.cuda.get_device_properties(device)
                     n = resident_programs(kernel.n_regs, kernel.metadata.shared, kernel.metadata.num_warps,
                                           props.shared_memory_per_multiprocessor)
-                except Exception:  # an unknown Triton version: keep the default
-                    n = RESIDENT_DEFAULT
+                except Exception as e:  # an unknown Triton version: keep the default, say so once
+                    logging.getLogger(__name__).warning("decode residency probe failed (%s: %s); assuming %d "
+                                                        "programs per SM", type(e).__name__, e, n)
             self._by_key[key] = n
         return self._by_key[key]
 
@@ -273,9 +294,9 @@ _RESIDENCY = _Residency()
 
 def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      meta: AttentionMetadata, scale: float, *, splits: int | None = None,
-                     block_n: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                     programs_per_sm: int = 0, native_cvt: bool = False,
-                     split_codes: bool = False, maxnreg: int | None = None) -> torch.Tensor:
+                     block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
+                     programs_per_sm: int = 0, native_cvt: bool | None = None,
+                     split_codes: bool | None = None, maxnreg: int | None = None) -> torch.Tensor:
     """out [B, H, D] for q [B, H, D] (one new token per sequence, k/v [B, KVH, D] its new K/V).
     The keyword arguments override the defaults (benchmarks, tests): `native_cvt` converts fp8/int8
     with the hardware instructions instead of bit operations; `maxnreg` caps registers per thread."""
@@ -286,13 +307,16 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
     L = cache.layout
     B, H, D = q.shape
     G = H // L.kv_heads
-    if block_n is None:
-        block_n = max(64, L.block_size)
+    fmt = FMT_CODES[L.kv_dtype]
+    tiles = TILES[fmt]
+    block_n = block_n or max(tiles.block_n, L.block_size)
     if block_n % L.block_size:
         raise ValueError(f"block_n must be a multiple of the block size {L.block_size}, got {block_n}")
-    fmt = FMT_CODES[L.kv_dtype]
+    num_stages = tiles.num_stages if num_stages is None else num_stages
+    native_cvt = tiles.native_cvt if native_cvt is None else native_cvt
+    split_codes = (tiles.split_codes if split_codes is None else split_codes) and fmt in (FMT_E4M3, FMT_E5M2,
+                                                                                          FMT_INT8)
     unit = _unit(fmt)
-    split_codes = split_codes and fmt in (FMT_E4M3, FMT_E5M2, FMT_INT8)
     out = torch.empty_like(q)
     res = cache.residual
     args = dict(
@@ -314,9 +338,9 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
         else:  # the partial-writing variant is the one that runs whenever splitting pays
             key = tuple(v for n, v in args.items() if n.isupper() or n.startswith(("num_", "max"))) + (
                 q.dtype, q.device)
+            one = torch.empty(1, dtype=torch.float32, device=q.device)  # warmup wraps only positional dtypes
             resident = _RESIDENCY.get(key, q.device, lambda: decode_kernel.warmup(
-                **args, part_out_ptr=torch.float32, part_lse_ptr=torch.float32, num_splits=2, PARTIAL=True,
-                grid=(1,)))
+                **args, part_out_ptr=one, part_lse_ptr=one, num_splits=2, PARTIAL=True, grid=(1,)))
         splits = num_splits(B, L.kv_heads, meta.max_prefix_len + 1, _num_sms(q.device), resident, block_n)
     if splits > 1:
         part_out = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
