@@ -136,6 +136,16 @@ def test_int4_covers_hard_groups():
                       hv[:, :, None, None], vcs, vcm)
 
 
+def test_int4_v_header_found_from_v_data_offset():
+    # load_int4_tile finds V's header in the K records at 2 * v_data_offset (it knows no kv_heads or
+    # block_size): that must be k_scale_offset for every int4 layout
+    for heads in (1, 3, 8):
+        for D in (32, 64, 96, 128, 256):
+            for bs in (8, 16, 32, 48):
+                L = BlockLayout(2, heads, D, bs, "int4")
+                assert L.k_scale_offset == 2 * L.v_data_offset and L.v_data_offset == L.data_bytes
+
+
 def test_int4_low_nibble_is_even_channel():
     k = torch.zeros(1, BS, 1, D)
     k[0, 0, 0, :] = torch.arange(D) % 2 * 15.0  # channel parity 0 -> 0, 1 -> 15 at token 0

@@ -23,22 +23,23 @@ Quantization math (the torch reference in `quant.py` and the Triton kernels must
 scales are rounded to their stored form *before* quantizing, so dequantization uses what is stored):
     fp8:  s = max(absmax(x[head]), 1e-6) / FMAX  (FMAX 448 e4m3, 57344 e5m2); q = cast(clamp(x / s, ±FMAX))
     int8: s = max(absmax(x[head, token]), 1e-6) / 127; q = clamp(round_half_even(x / s), -127, 127)
-    int4: x = q * s + m, q = clamp(round_half_even((x - m) / s), 0, 15). Groups: K = each channel over
-          the block's tokens, V = each token's 32-channel group. Each group's (s, m) is an 8-bit code
-          pair relative to a per-(block, layer, head, K|V) header ("double quantization"):
-            m_base = down(min over groups of lo)          lo, hi = group min, max
-            m_step = up(max((max lo - m_base) / 255, 2**-24))
-            cm     = clamp(floor((lo - m_base) / m_step), 0, 255);  m = cm * m_step + m_base  (m <= lo)
-            r      = (hi - m) / 15
-            s_step = up(max(max r / 255, 2**-24))
-            cs     = clamp(ceil(r / s_step), 1, 255);                s = cs * s_step         (s >= r)
-          down/up round an fp32 to bf16 (8 significant bits) toward -inf/+inf with integer ops on
-          its bits, so the header is exact in bf16 and code * step is exact in fp32 (an FMA gives
-          the same m). m <= lo and m + 15 s >= hi: no group is clamped.
+    int4: x = q * s + m. Groups: K = each channel over the block's tokens, V = each token's 32-channel
+          group. Each group's (s, m) is an 8-bit code pair against a per-(block, layer, head, K|V)
+          header ("double quantization"); lo, hi = the group's min, max; 1/a = RN(1 / a) (IEEE):
+            m_base = down(min lo);  m_step = up(max((max lo - m_base) / 255, 2**-24))
+            cm     = min(floor((lo - m_base) * 1/m_step), 255), minus 1 if cm * m_step + m_base > lo
+            m      = cm * m_step + m_base                              (m <= lo, exactly)
+            span   = hi - m;  s_step = up(max(max span / 3825, 2**-24))
+            cs     = clamp(ceil(span * 1/(15 * s_step)), 1, 255);  s = cs * s_step
+            q      = clamp(round_half_even((x - m) * 1/s), 0, 15)    (never clamps: 0 <= y <= 15.0000036)
+          down/up round an fp32 to bf16 (8 significant bits) toward -inf/+inf by integer ops on its
+          bits: the header is exact in bf16 and code * step is exact in fp32 (an FMA gives the same
+          m). Divisions by a group's scale are multiplies by one reciprocal per group (cheap in the
+          kernel, bit-identical in torch); the kernel must not fuse (x - m) * 1/s into the rounding.
           The V header sits in the K record (the V loader finds it at 2 * v_data_offset, which is
           k_scale_offset), so both scale regions index by head or row alone.
           Bits per element: K 4 + (16 + 2 * head_dim) * 8 / (block_size * head_dim) (5.125 at
-          head_dim 64, block 16), V 4 + 0.5.
+          head_dim 64, block 16), V 4 + 0.5: 4.81 on average (v1, fp16 (s, m): 5.5).
 float16 scales (int8) are clamped to >= 2**-24 (fp16's smallest subnormal) after rounding, so a
 near-zero group never stores s = 0 (int8's 1e-6 / 127 floor would round to 0 in fp16).
 The whole block is quantized at once (see kernels/backend.py), so per-block scales are exact.
