@@ -34,10 +34,11 @@ PROGRAMS_PER_SM = (0, 2, 4, 8)  # residency assumed by the split count; 0 = read
 CODE_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8")  # also timed with hardware conversion / split words
 
 
-def variants(kv: str) -> list[dict]:
-    out = [dict(zip(GRID, v)) for v in itertools.product(*GRID.values())]
+def variants(kv: str, grid: dict = GRID) -> list[dict]:
+    out = [dict(zip(grid, v)) for v in itertools.product(*grid.values())]
     if kv in CODE_DTYPES:
-        out += [{**c, "native_cvt": True} for c in out] + [{**c, "split_codes": True} for c in out]
+        out += [{**c, "native_cvt": True} for c in out] + [{**c, "split_codes": 1} for c in out] + [
+            {**c, "split_codes": 2, "native_cvt": True} for c in out]
     return out
 
 
@@ -76,8 +77,8 @@ def _compile_worker(jobs: list[tuple[str, dict]]) -> int:
     return failed
 
 
-def compile_all(dtypes: list[str], jobs: int) -> None:
-    work = [(kv, c) for kv in dtypes for c in variants(kv)]
+def compile_all(dtypes: list[str], jobs: int, grid: dict) -> None:
+    work = [(kv, c) for kv in dtypes for c in variants(kv, grid)]
     chunks = [work[i::jobs] for i in range(jobs)]
     t0 = time.time()
     with mp.get_context("spawn").Pool(jobs) as pool:
@@ -129,19 +130,28 @@ def main() -> None:
     ap.add_argument("--cases", default="0,1", help="grid cases (indices into kernels.DECODE_CASES)")
     ap.add_argument("--jobs", type=int, default=14, help="parallel compile processes")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--block-n", default=None, help="tile sizes to try, e.g. 64,128 (default: GRID's)")
+    ap.add_argument("--stages", default=None, help="pipeline depths to try, e.g. 3,5 (default: GRID's)")
+    ap.add_argument("--programs-per-sm", default=None, help="split policies, e.g. 0,8 (default: all)")
     ap.add_argument("--out", type=Path, default=Path("decode_sweep_out"))
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     dtypes = args.dtypes.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
+    grid = dict(GRID)
+    if args.block_n:
+        grid["block_n"] = tuple(int(x) for x in args.block_n.split(","))
+    if args.stages:
+        grid["num_stages"] = tuple(int(x) for x in args.stages.split(","))
+    pps = tuple(int(x) for x in args.programs_per_sm.split(",")) if args.programs_per_sm else PROGRAMS_PER_SM
     t0 = time.time()
-    compile_all(dtypes, args.jobs)
+    compile_all(dtypes, args.jobs, grid)
     results: list = []
     for kv in dtypes:
         for i in args.cases.split(","):
             batch, ctx = kb.DECODE_CASES[int(i)]
             try:
-                time_case(kv, batch, ctx, variants(kv), PROGRAMS_PER_SM, args.reps, results)
+                time_case(kv, batch, ctx, variants(kv, grid), pps, args.reps, results)
             except Exception:
                 kb.log(f"{kv} {batch}x{ctx} FAILED:\n{traceback.format_exc()}")
         (args.out / "sweep.json").write_text(json.dumps(results, indent=1))

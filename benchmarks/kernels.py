@@ -57,7 +57,7 @@ def log(*a) -> None:
     print(*a, flush=True)
 
 
-def time_ms(fn, reps: int, warmup: int = 3, calls: int = 10) -> float:
+def time_ms(fn, reps: int, warmup: int = 3, calls: int = 10, graph: bool = True) -> float:
     """Median milliseconds per call of `fn`: `calls` back-to-back calls captured in one CUDA graph,
     replayed `reps` times between CUDA events. The graph takes the host's launch cost (Python
     launchers run 20-50 us) out of the number, for SDPA and our kernels alike; a function that cannot
@@ -66,6 +66,8 @@ def time_ms(fn, reps: int, warmup: int = 3, calls: int = 10) -> float:
         fn()
     torch.cuda.synchronize()
     try:
+        if not graph:
+            raise RuntimeError("graph capture not wanted")
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -77,7 +79,8 @@ def time_ms(fn, reps: int, warmup: int = 3, calls: int = 10) -> float:
                 fn()
         run, per = graph.replay, calls
     except Exception as e:  # not capturable: time each call (includes launch cost)
-        log(f"    (no CUDA graph: {type(e).__name__}: {str(e)[:120]})")
+        if graph:
+            log(f"    (no CUDA graph: {type(e).__name__}: {str(e)[:120]})")
         torch.cuda.synchronize()
         run, per = fn, 1
     run()
@@ -96,10 +99,11 @@ def time_ms(fn, reps: int, warmup: int = 3, calls: int = 10) -> float:
 def read_bandwidth(reps: int) -> tuple[float, float]:
     """(streaming read TB/s by torch.sum over 4 GiB, copy TB/s counting read + write)."""
     x = torch.empty(1 << 31, dtype=torch.float16, device="cuda").uniform_()
-    t = time_ms(lambda: x.sum(), reps)
+    # milliseconds-long single calls, no graph: a captured copy becomes a copy-engine memcpy node
+    t = time_ms(lambda: x.sum(), reps, graph=False)
     read = x.numel() * 2 / t / 1e9
     y = torch.empty_like(x[: 1 << 30])
-    t2 = time_ms(lambda: y.copy_(x[: 1 << 30]), reps)
+    t2 = time_ms(lambda: y.copy_(x[: 1 << 30]), reps, graph=False)
     copy = 2 * y.numel() * 2 / t2 / 1e9
     del x, y
     return read, copy

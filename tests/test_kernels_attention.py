@@ -100,10 +100,10 @@ def test_decode_splits_match_torch(kv, splits):
 @pytest.mark.parametrize("gqa,head_dim,bs", [(4, 64, 16), (1, 128, 32)])
 def test_decode_split_codes_match_torch(kv, gqa, head_dim, bs):
     # 8-bit codes decoded as even/odd channel halves from 32-bit words, with and without splits
-    for splits in (1, 2):
+    for splits, mode in ((1, 1), (2, 1), (2, 2)):
         def attend(cache, layer, q, k, v, meta, scale):
             return decode_attention(cache, layer, q, k, v, meta, scale, splits=splits, block_n=2 * bs,
-                                    split_codes=True)
+                                    split_codes=mode)
         check(kv, gqa, head_dim, bs, [0, bs - 3, 2 * bs, 3 * bs + 5], [1, 1, 1, 1], attend=attend)
 
 

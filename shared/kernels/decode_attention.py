@@ -25,7 +25,7 @@ import triton.language as tl
 from kvmesh.kernels.backend import AttentionMetadata
 from kvmesh.kernels.formats import (FMT_BF16, FMT_CODES, FMT_E4M3, FMT_E5M2, FMT_FP16, FMT_FP32,
                                     FMT_INT4, FMT_INT8)
-from kvmesh.kernels.paged_attention import (LOG2E, _cast_out, _check, _dot_dtype, _load_page_tile,
+from kvmesh.kernels.paged_attention import (LOG2E, _cast_out, _check, _dot, _dot_dtype, _load_page_tile,
                                             _softmax_step, _unit, reduce_splits_kernel)
 from kvmesh.kv.pool import KVCache
 
@@ -44,13 +44,13 @@ class DecodeTiles:
     block_n: int  # tokens per tile (a multiple of the block size)
     num_stages: int  # Triton pipeline depth: 5 gives two buffers of K/V tiles, 3 one, 1 none
     native_cvt: bool = False  # hardware fp8 -> fp16 conversion instead of bit operations
-    split_codes: bool = False  # 8-bit codes as 32-bit words, even/odd channel halves
+    split_codes: int = 0  # 8-bit codes as 32-bit words in even/odd channel halves: 1 K and V, 2 V only
 
 
 # Fastest on the H200 over 64 x 4096 and 16 x 16384 (benchmarks/decode_sweep.py, docs/kernels.md).
 TILES = {FMT_FP32: DecodeTiles(32, 3), FMT_FP16: DecodeTiles(32, 5), FMT_BF16: DecodeTiles(128, 3),
          FMT_E4M3: DecodeTiles(128, 5, native_cvt=True), FMT_E5M2: DecodeTiles(128, 5, native_cvt=True),
-         FMT_INT8: DecodeTiles(64, 1, split_codes=True), FMT_INT4: DecodeTiles(32, 5)}
+         FMT_INT8: DecodeTiles(64, 1, split_codes=1), FMT_INT4: DecodeTiles(32, 5)}
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # one compile for every split count
@@ -94,8 +94,8 @@ def decode_kernel(
         HD: tl.constexpr = D // 2
         c2 = tl.arange(0, HD)
         q_row = q_ptr + b.to(tl.int64) * stride_qb + (head * stride_qh)[:, None]
-        q_e = tl.load(q_row + 2 * c2[None, :], mask=row_ok[:, None], other=0.0).to(tl.float16)
-        q_o = tl.load(q_row + 2 * c2[None, :] + 1, mask=row_ok[:, None], other=0.0).to(tl.float16)
+        q_e = tl.load(q_row + 2 * c2[None, :], mask=row_ok[:, None], other=0.0).to(DOT)
+        q_o = tl.load(q_row + 2 * c2[None, :] + 1, mask=row_ok[:, None], other=0.0).to(DOT)
         acc_e = tl.zeros((BLOCK_H, HD), tl.float32)
         acc_o = tl.zeros((BLOCK_H, HD), tl.float32)
 
@@ -121,12 +121,18 @@ def decode_kernel(
             acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kt, ks, vt, vs, nm[None, :], qk_scale,
                                           HAS_SCALE, DOT)
         else:
-            ke, ko = _split_tile(pool_ptr, base, tok, all_rows, kvh, 0, FMT, BS, D)
-            ks = _token_scales(pool_ptr, base, tok, all_rows, kvh, KS_OFF, FMT, BS)
+            if SPLIT == 1:
+                ke, ko = _split_tile(pool_ptr, base, tok, all_rows, kvh, 0, FMT, BS, D)
+                ks = _token_scales(pool_ptr, base, tok, all_rows, kvh, KS_OFF, FMT, BS)
+                s = _dot(q_e, tl.trans(ke.to(DOT)), DOT) + _dot(q_o, tl.trans(ko.to(DOT)), DOT)
+            else:  # keys whole (their shared-memory reads are already wide), values split
+                kt, ks = _load_page_tile(pool_ptr, base, tok, all_rows, kvh, 0, KS_OFF, True, FMT, BS, D,
+                                         DOT, NATIVE)
+                s = _dot(q, tl.trans(kt), DOT)
             ve, vo = _split_tile(pool_ptr, base, tok, nm, kvh, V_OFF, FMT, BS, D)
             vs = _token_scales(pool_ptr, base, tok, nm, kvh, VS_OFF, FMT, BS)
-            acc_e, acc_o, m_i, l_i = _split_step(acc_e, acc_o, m_i, l_i, q_e, q_o, ke, ko, ks, ve, vo,
-                                                 vs, nm[None, :], qk_scale)
+            acc_e, acc_o, m_i, l_i = _split_step(acc_e, acc_o, m_i, l_i, s, ks, ve, vo, vs, nm[None, :],
+                                                 qk_scale, DOT)
 
     if split == num_splits - 1:
         # 2. residual tail (prefix % BS tokens, full precision) and 3. the new token
@@ -152,9 +158,9 @@ def decode_kernel(
             ko = tl.where(is_new, tl.load(kn + co)[None, :], tl.load(rk + co[None, :], mask=tm[:, None], other=0.0))
             ve = tl.where(is_new, tl.load(vn + ce)[None, :], tl.load(rv + ce[None, :], mask=tm[:, None], other=0.0))
             vo = tl.where(is_new, tl.load(vn + co)[None, :], tl.load(rv + co[None, :], mask=tm[:, None], other=0.0))
-            acc_e, acc_o, m_i, l_i = _split_step(acc_e, acc_o, m_i, l_i, q_e, q_o, ke.to(tl.float16),
-                                                 ko.to(tl.float16), ones, ve.to(tl.float16),
-                                                 vo.to(tl.float16), ones, valid, qk_scale)
+            s = _dot(q_e, tl.trans(ke.to(DOT)), DOT) + _dot(q_o, tl.trans(ko.to(DOT)), DOT)
+            acc_e, acc_o, m_i, l_i = _split_step(acc_e, acc_o, m_i, l_i, s, ones, ve, vo, ones, valid,
+                                                 qk_scale, DOT)
     if SPLIT > 0:  # back to channel order: (m, j, 0) = channel 2j, (m, j, 1) = channel 2j + 1
         acc = tl.reshape(tl.join(acc_e, acc_o), (BLOCK_H, D))
 
@@ -219,18 +225,18 @@ def _token_scales(pool_ptr, base, tok, n_mask, head, SCALE_OFF: tl.constexpr, FM
 
 
 @triton.jit
-def _split_step(acc_e, acc_o, m_i, l_i, q_e, q_o, ke, ko, ks, ve, vo, vs, valid, qk_scale):
-    """`_softmax_step` for even/odd channel halves (fp16 tiles, per-token K and V scales)."""
-    s = tl.dot(q_e, tl.trans(ke)) + tl.dot(q_o, tl.trans(ko))  # [M, N] fp32
+def _split_step(acc_e, acc_o, m_i, l_i, s, ks, ve, vo, vs, valid, qk_scale, DOT: tl.constexpr):
+    """`_softmax_step` given the raw scores s [M, N] fp32, values as even/odd channel halves (fp16
+    tiles [N, D // 2]) and per-token K and V scales."""
     s = tl.where(valid, s * (ks * qk_scale)[None, :], float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v_max = tl.maximum(tl.max(vs, axis=0), 1e-30)
-    pv = (p * (vs / v_max)[None, :]).to(tl.float16)
-    acc_e = acc_e * alpha[:, None] + tl.dot(pv, ve) * v_max
-    acc_o = acc_o * alpha[:, None] + tl.dot(pv, vo) * v_max
+    pv = (p * (vs / v_max)[None, :]).to(DOT)
+    acc_e = acc_e * alpha[:, None] + _dot(pv, ve.to(DOT), DOT) * v_max
+    acc_o = acc_o * alpha[:, None] + _dot(pv, vo.to(DOT), DOT) * v_max
     return acc_e, acc_o, m_new, l_i
 
 
@@ -296,7 +302,7 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
                      meta: AttentionMetadata, scale: float, *, splits: int | None = None,
                      block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                      programs_per_sm: int = 0, native_cvt: bool | None = None,
-                     split_codes: bool | None = None, maxnreg: int | None = None) -> torch.Tensor:
+                     split_codes: int | None = None, maxnreg: int | None = None) -> torch.Tensor:
     """out [B, H, D] for q [B, H, D] (one new token per sequence, k/v [B, KVH, D] its new K/V).
     The keyword arguments override the defaults (benchmarks, tests): `native_cvt` converts fp8/int8
     with the hardware instructions instead of bit operations; `maxnreg` caps registers per thread."""
@@ -314,8 +320,8 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
         raise ValueError(f"block_n must be a multiple of the block size {L.block_size}, got {block_n}")
     num_stages = tiles.num_stages if num_stages is None else num_stages
     native_cvt = tiles.native_cvt if native_cvt is None else native_cvt
-    split_codes = (tiles.split_codes if split_codes is None else split_codes) and fmt in (FMT_E4M3, FMT_E5M2,
-                                                                                          FMT_INT8)
+    split_codes = int(tiles.split_codes if split_codes is None else split_codes) if fmt in (
+        FMT_E4M3, FMT_E5M2, FMT_INT8) else 0
     unit = _unit(fmt)
     out = torch.empty_like(q)
     res = cache.residual
