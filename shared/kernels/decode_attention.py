@@ -16,6 +16,7 @@ Decode is memory-bound, so what matters is bytes in flight and whole waves:
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +77,7 @@ def decode_kernel(
     FMT: tl.constexpr, HAS_SCALE: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
     BS: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PARTIAL: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr, SPLIT: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -122,15 +124,15 @@ def decode_kernel(
                                           HAS_SCALE, DOT)
         else:
             if SPLIT == 1:
-                ke, ko = _split_tile(pool_ptr, base, tok, all_rows, kvh, 0, FMT, BS, D)
-                ks = _token_scales(pool_ptr, base, tok, all_rows, kvh, KS_OFF, FMT, BS)
+                ke, ko = _split_tile(pool_ptr, base, tok, all_rows, kvh, 0, FMT, BS, D, ASM)
+                ks = _token_scales(pool_ptr, base, tok, all_rows, kvh, KS_OFF, FMT, BS, ASM)
                 s = _dot(q_e, tl.trans(ke.to(DOT)), DOT) + _dot(q_o, tl.trans(ko.to(DOT)), DOT)
             else:  # keys whole (their shared-memory reads are already wide), values split
                 kt, ks = _load_page_tile(pool_ptr, base, tok, all_rows, kvh, 0, KS_OFF, True, FMT, BS, D,
                                          DOT, NATIVE)
                 s = _dot(q, tl.trans(kt), DOT)
-            ve, vo = _split_tile(pool_ptr, base, tok, nm, kvh, V_OFF, FMT, BS, D)
-            vs = _token_scales(pool_ptr, base, tok, nm, kvh, VS_OFF, FMT, BS)
+            ve, vo = _split_tile(pool_ptr, base, tok, nm, kvh, V_OFF, FMT, BS, D, ASM)
+            vs = _token_scales(pool_ptr, base, tok, nm, kvh, VS_OFF, FMT, BS, ASM)
             acc_e, acc_o, m_i, l_i = _split_step(acc_e, acc_o, m_i, l_i, s, ks, ve, vo, vs, nm[None, :],
                                                  qk_scale, DOT)
 
@@ -179,19 +181,36 @@ def decode_kernel(
 
 @triton.jit
 def _split_tile(pool_ptr, base, tok, n_mask, head, DATA_OFF: tl.constexpr, FMT: tl.constexpr,
-                BS: tl.constexpr, D: tl.constexpr):
+                BS: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr):
     """8-bit codes of one KV head read as 32-bit words (4 channels each) -> (even, odd channels)
-    as fp16 [N, D // 2] each, decoded two at a time in 16-bit lanes by bit operations. Splitting
-    even/odd instead of interleaving keeps the decode in whole words (no byte gathers from shared
-    memory); the dot products do not care about channel order (q is split the same way, and the
-    output is re-interleaved once at the end). e4m3 comes out as x * 2**-8 (the 256 is in the scale)."""
+    as fp16 [N, D // 2] each, decoded two at a time in 16-bit lanes. Splitting even/odd instead of
+    interleaving keeps the decode in whole words (no byte gathers from shared memory); the dot
+    products do not care about channel order (q is split the same way, and the output is
+    re-interleaved once at the end). e4m3 by bit operations comes out as x * 2**-8 (the 256 is in the
+    scale); with ASM (GPU only) e4m3 uses the hardware pair conversion and comes out exact."""
     W: tl.constexpr = D // 4
     w = tl.arange(0, W)
     row = (head * BS + tok).to(tl.int64)
     p32 = pool_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     x = tl.load(p32 + ((base + DATA_OFF) // 4 + row * W)[:, None] + w[None, :], mask=n_mask[:, None],
                 other=0)  # [N, W]
+    if ASM and FMT == 3:
+        # bytes (0, 2) and (1, 3) of each word as e4m3x2 -> fp16x2 (low byte -> low half)
+        e, o = tl.inline_asm_elementwise(
+            asm="""{ .reg .b32 t0, t1; .reg .b16 h0, h1;
+            prmt.b32 t0, $2, 0, 0x4420; prmt.b32 t1, $2, 0, 0x4431;
+            cvt.u16.u32 h0, t0; cvt.u16.u32 h1, t1;
+            cvt.rn.f16x2.e4m3x2 $0, h0; cvt.rn.f16x2.e4m3x2 $1, h1; }""",
+            constraints="=r,=r,r", args=[x], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+        return _pairs_fp16(e), _pairs_fp16(o)
     return _lanes_fp16(x & 0x00FF00FF, FMT), _lanes_fp16((x >> 8) & 0x00FF00FF, FMT)
+
+
+@triton.jit
+def _pairs_fp16(f):
+    """uint32 [N, W] of fp16 pairs -> fp16 [N, 2W] (low half first)."""
+    return tl.reshape(tl.join((f & 0xFFFF).to(tl.uint16), (f >> 16).to(tl.uint16)),
+                      (f.shape[0], 2 * f.shape[1])).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -203,8 +222,7 @@ def _lanes_fp16(x, FMT: tl.constexpr):
         f = x << 8
     else:  # int8: fp16(0x6400 | code ^ 0x80) = 1152 + x
         f = (x ^ 0x00800080) | 0x64006400
-    y = tl.reshape(tl.join((f & 0xFFFF).to(tl.uint16), (f >> 16).to(tl.uint16)),
-                   (x.shape[0], 2 * x.shape[1])).to(tl.float16, bitcast=True)
+    y = _pairs_fp16(f)
     if FMT == 5:
         y = y - 1152.0
     return y
@@ -212,7 +230,7 @@ def _lanes_fp16(x, FMT: tl.constexpr):
 
 @triton.jit
 def _token_scales(pool_ptr, base, tok, n_mask, head, SCALE_OFF: tl.constexpr, FMT: tl.constexpr,
-                  BS: tl.constexpr):
+                  BS: tl.constexpr, ASM: tl.constexpr):
     """[N] fp32 scale of each token's codes: the page's (fp8, times 256 for e4m3's bit decode) or
     the token's (int8)."""
     if FMT == 5:
@@ -221,7 +239,7 @@ def _token_scales(pool_ptr, base, tok, n_mask, head, SCALE_OFF: tl.constexpr, FM
     else:
         ps = pool_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
         s = tl.load(ps + (base + SCALE_OFF) // 4 + head, mask=n_mask, other=0.0)
-        return s * 256.0 if FMT == 3 else s
+        return s * 256.0 if FMT == 3 and not ASM else s
 
 
 @triton.jit
@@ -337,6 +355,7 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
         FMT=fmt, HAS_SCALE=fmt in (FMT_E4M3, FMT_E5M2, FMT_INT8), KVH=L.kv_heads, G=G,
         BS=L.block_size, D=D, BLOCK_H=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
         DOT=_dot_dtype(fmt, q), NATIVE=native_cvt, SPLIT=int(split_codes),
+        ASM=bool(native_cvt and os.environ.get("TRITON_INTERPRET") != "1"),  # no inline PTX there
         num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
     if splits is None:
         if programs_per_sm:
