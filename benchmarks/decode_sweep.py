@@ -27,14 +27,20 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernels as kb  # noqa: E402  (maps kvmesh to shared/ when not installed)
 
-from kvmesh.kernels.decode_attention import decode_attention  # noqa: E402
+from kvmesh.kernels.decode_attention import TILES, decode_attention  # noqa: E402
+from kvmesh.kernels.formats import FMT_CODES  # noqa: E402
 
 GRID = dict(block_n=(32, 64, 128), num_warps=(4,), num_stages=(1, 3, 5))
 PROGRAMS_PER_SM = (0, 2, 4, 8)  # residency assumed by the split count; 0 = read from the compiled kernel
 CODE_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8")  # also timed with the hardware conversion
 
 
-def variants(kv: str, grid: dict = GRID) -> list[dict]:
+def variants(kv: str, grid: dict = GRID, tiles_only: bool = False) -> list[dict]:
+    if tiles_only:  # the shipped tiles of this dtype, times the grid's other axes (e.g. block_h)
+        t = TILES[FMT_CODES[kv]]
+        extra = {k: v for k, v in grid.items() if k not in ("block_n", "num_stages", "num_warps")}
+        return [dict(block_n=t.block_n, num_stages=t.num_stages, native_cvt=t.native_cvt, **dict(zip(extra, v)))
+                for v in itertools.product(*extra.values())]
     out = [dict(zip(grid, v)) for v in itertools.product(*grid.values())]
     if kv in CODE_DTYPES:
         out += [{**c, "native_cvt": True} for c in out]
@@ -76,8 +82,8 @@ def _compile_worker(jobs: list[tuple[str, dict]]) -> int:
     return failed
 
 
-def compile_all(dtypes: list[str], jobs: int, grid: dict) -> None:
-    work = [(kv, c) for kv in dtypes for c in variants(kv, grid)]
+def compile_all(dtypes: list[str], jobs: int, grid: dict, tiles_only: bool) -> None:
+    work = [(kv, c) for kv in dtypes for c in variants(kv, grid, tiles_only)]
     chunks = [work[i::jobs] for i in range(jobs)]
     t0 = time.time()
     with mp.get_context("spawn").Pool(jobs) as pool:
@@ -132,6 +138,8 @@ def main() -> None:
     ap.add_argument("--block-n", default=None, help="tile sizes to try, e.g. 64,128 (default: GRID's)")
     ap.add_argument("--stages", default=None, help="pipeline depths to try, e.g. 3,5 (default: GRID's)")
     ap.add_argument("--programs-per-sm", default=None, help="split policies, e.g. 0,8 (default: all)")
+    ap.add_argument("--tiles-only", action="store_true", help="only the shipped tiles (decode_attention.TILES)")
+    ap.add_argument("--block-h", default=None, help="query rows per program to try, e.g. 4,16 (default: 16)")
     ap.add_argument("--out", type=Path, default=Path("decode_sweep_out"))
     args = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -143,14 +151,16 @@ def main() -> None:
     if args.stages:
         grid["num_stages"] = tuple(int(x) for x in args.stages.split(","))
     pps = tuple(int(x) for x in args.programs_per_sm.split(",")) if args.programs_per_sm else PROGRAMS_PER_SM
+    if args.block_h:
+        grid["block_h"] = tuple(int(x) for x in args.block_h.split(","))
     t0 = time.time()
-    compile_all(dtypes, args.jobs, grid)
+    compile_all(dtypes, args.jobs, grid, args.tiles_only)
     results: list = []
     for kv in dtypes:
         for i in args.cases.split(","):
             batch, ctx = kb.DECODE_CASES[int(i)]
             try:
-                time_case(kv, batch, ctx, variants(kv, grid), pps, args.reps, results)
+                time_case(kv, batch, ctx, variants(kv, grid, args.tiles_only), pps, args.reps, results)
             except Exception:
                 kb.log(f"{kv} {batch}x{ctx} FAILED:\n{traceback.format_exc()}")
         (args.out / "sweep.json").write_text(json.dumps(results, indent=1))

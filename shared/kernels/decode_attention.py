@@ -204,11 +204,13 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
                      meta: AttentionMetadata, scale: float, *, splits: int | None = None,
                      block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                      programs_per_sm: int = 0, native_cvt: bool | None = None,
-                     maxnreg: int | None = None) -> torch.Tensor:
+                     block_h: int | None = None, maxnreg: int | None = None) -> torch.Tensor:
     """out [B, H, D] for q [B, H, D] (one new token per sequence, k/v [B, KVH, D] its new K/V).
     The keyword arguments override the defaults (benchmarks, tests): `native_cvt` converts fp8/int8
     with the hardware instructions instead of bit operations; `programs_per_sm` replaces the
-    residency read from the compiled kernel in the split count; `maxnreg` caps registers per thread."""
+    residency read from the compiled kernel in the split count; `block_h` sets the query rows of a
+    program (default G padded to 16; Triton also pads smaller dots itself); `maxnreg` caps
+    registers per thread."""
     if meta.max_query_len != 1 or q.shape[0] != meta.num_seqs:
         raise ValueError(f"decode needs one new token per sequence: max_query_len={meta.max_query_len}, "
                          f"T={q.shape[0]}, B={meta.num_seqs}")
@@ -219,6 +221,8 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
     fmt = FMT_CODES[L.kv_dtype]
     tiles = TILES[fmt]
     block_n = block_n or max(tiles.block_n, L.block_size)
+    if block_h is not None and block_h < G:
+        raise ValueError(f"block_h must be at least the {G} query heads per KV head, got {block_h}")
     if block_n % L.block_size:
         raise ValueError(f"block_n must be a multiple of the block size {L.block_size}, got {block_n}")
     num_stages = tiles.num_stages if num_stages is None else num_stages
@@ -236,7 +240,7 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
         slot_stride=res.stride(0), res_layer_off=layer * res.stride(1), qk_scale=scale * LOG2E,
         V_OFF=L.v_data_offset // unit, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset,
         FMT=fmt, HAS_SCALE=fmt in (FMT_E4M3, FMT_E5M2, FMT_INT8), KVH=L.kv_heads, G=G,
-        BS=L.block_size, D=D, BLOCK_H=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
+        BS=L.block_size, D=D, BLOCK_H=block_h or max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
         DOT=_dot_dtype(fmt, q), NATIVE=native_cvt,
         num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
     if splits is None:
