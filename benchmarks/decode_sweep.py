@@ -32,7 +32,7 @@ from kvmesh.kernels.formats import FMT_CODES  # noqa: E402
 
 GRID = dict(block_n=(32, 64, 128), num_warps=(4,), num_stages=(1, 3, 5))
 PROGRAMS_PER_SM = (0, 2, 4, 8)  # residency assumed by the split count; 0 = read from the compiled kernel
-CODE_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8")  # also timed with the hardware conversion
+CODE_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8")  # also timed with hardware conversion / split words
 
 
 def variants(kv: str, grid: dict = GRID, tiles_only: bool = False) -> list[dict]:
@@ -43,7 +43,8 @@ def variants(kv: str, grid: dict = GRID, tiles_only: bool = False) -> list[dict]
                 for v in itertools.product(*extra.values())]
     out = [dict(zip(grid, v)) for v in itertools.product(*grid.values())]
     if kv in CODE_DTYPES:
-        out += [{**c, "native_cvt": True} for c in out]
+        out += [{**c, "native_cvt": True} for c in out] + [{**c, "split_codes": 1} for c in out] + [
+            {**c, "split_codes": 2, "native_cvt": True} for c in out]
     return out
 
 

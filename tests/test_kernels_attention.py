@@ -98,6 +98,17 @@ def test_decode_splits_match_torch(kv, splits):
     check(kv, 4, 64, 16, [5, 16, 4 * 16 + 1], [1, 1, 1], attend=attend)
 
 
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("gqa,head_dim,bs", [(4, 64, 16), (1, 128, 32)])
+def test_decode_split_codes_match_torch(kv, gqa, head_dim, bs):
+    # 8-bit codes decoded as even/odd channel halves from 32-bit words, with and without splits
+    for splits, mode in ((1, 1), (2, 1), (2, 2)):
+        def attend(cache, layer, q, k, v, meta, scale):
+            return decode_attention(cache, layer, q, k, v, meta, scale, splits=splits, block_n=2 * bs,
+                                    split_codes=mode)
+        check(kv, gqa, head_dim, bs, [0, bs - 3, 2 * bs, 3 * bs + 5], [1, 1, 1, 1], attend=attend)
+
+
 def test_prefill_multiple_tiles_causal():
     # tiles of 16 rows = 4 tokens x 4 heads: the causal mask crosses tile edges
     def attend(cache, layer, q, k, v, meta, scale):

@@ -10,13 +10,13 @@ Decode is memory-bound, so what matters is bytes in flight and whole waves:
 - K tiles are loaded without a mask (tokens past the split read pages of the table's first entry or
   page 0, always finite pool memory, and their scores are masked), so loads pipeline freely;
   V tiles and V scales keep the mask (0 * garbage must not reach the accumulator).
-- The split count comes from shapes only (no host sync, fixed grid) and the compiled variant's
-  residency: whole waves (a last wave 1/3 full cost a third of the time at 64 x 4096).
-- Per-format tiles (`TILES`) come from benchmarks/decode_sweep.py on the H200.
+- The split count comes from shapes only (no host sync, fixed grid): enough programs for several
+  waves of the GPU (a last wave 1/3 full cost 35 % at 64 x 4096 with one split).
 """
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +26,7 @@ import triton.language as tl
 from kvmesh.kernels.backend import AttentionMetadata
 from kvmesh.kernels.formats import (FMT_BF16, FMT_CODES, FMT_E4M3, FMT_E5M2, FMT_FP16, FMT_FP32,
                                     FMT_INT4, FMT_INT8)
-from kvmesh.kernels.paged_attention import (LOG2E, _cast_out, _check, _dot_dtype, _load_page_tile,
+from kvmesh.kernels.paged_attention import (LOG2E, _cast_out, _check, _dot, _dot_dtype, _load_page_tile,
                                             _softmax_step, _unit, reduce_splits_kernel)
 from kvmesh.kv.pool import KVCache
 
@@ -45,12 +45,14 @@ class DecodeTiles:
     block_n: int  # tokens per tile (a multiple of the block size)
     num_stages: int  # Triton pipeline depth: 5 gives two buffers of K/V tiles, 3 one, 1 none
     native_cvt: bool = False  # hardware fp8 -> fp16 conversion instead of bit operations
+    split_codes: int = 0  # 8-bit codes as 32-bit words in even/odd channel halves: 1 K and V, 2 V only
+    pad_rows: bool = True  # query rows padded to 16 (else G: Triton pads the dot, the softmax runs on G)
 
 
 # Fastest on the H200 over 64 x 4096 and 16 x 16384 (benchmarks/decode_sweep.py, docs/kernels.md).
 TILES = {FMT_FP32: DecodeTiles(32, 3), FMT_FP16: DecodeTiles(32, 5), FMT_BF16: DecodeTiles(128, 3),
-         FMT_E4M3: DecodeTiles(128, 1, native_cvt=True), FMT_E5M2: DecodeTiles(128, 1),
-         FMT_INT8: DecodeTiles(128, 3), FMT_INT4: DecodeTiles(32, 5)}
+         FMT_E4M3: DecodeTiles(128, 1, native_cvt=True), FMT_E5M2: DecodeTiles(128, 1, pad_rows=False),
+         FMT_INT8: DecodeTiles(128, 3, split_codes=1), FMT_INT4: DecodeTiles(32, 5, pad_rows=False)}
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # one compile for every split count
@@ -75,7 +77,8 @@ def decode_kernel(
     V_OFF: tl.constexpr, KS_OFF: tl.constexpr, VS_OFF: tl.constexpr,
     FMT: tl.constexpr, HAS_SCALE: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
     BS: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    PARTIAL: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr,
+    PARTIAL: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr, SPLIT: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -90,6 +93,14 @@ def decode_kernel(
     acc = tl.zeros((BLOCK_H, D), tl.float32)
     m_i = tl.full((BLOCK_H,), -1.0e30, tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
+    if SPLIT > 0:  # 8-bit codes decoded as even/odd channel halves (see `_split_tile`)
+        HD: tl.constexpr = D // 2
+        c2 = tl.arange(0, HD)
+        q_row = q_ptr + b.to(tl.int64) * stride_qb + (head * stride_qh)[:, None]
+        q_e = tl.load(q_row + 2 * c2[None, :], mask=row_ok[:, None], other=0.0).to(DOT)
+        q_o = tl.load(q_row + 2 * c2[None, :] + 1, mask=row_ok[:, None], other=0.0).to(DOT)
+        acc_e = tl.zeros((BLOCK_H, HD), tl.float32)
+        acc_o = tl.zeros((BLOCK_H, HD), tl.float32)
 
     # 1. this split's full pages, in whole tiles (per_split is a multiple of the tile's pages)
     PAGES: tl.constexpr = BLOCK_N // BS
@@ -105,12 +116,26 @@ def decode_kernel(
         page = tl.load(bt_row + n // BS, mask=nm, other=0).to(tl.int64)
         base = page * page_stride + layer_off  # [N] offset of the page's layer (in units)
         tok = n % BS
-        kt, ks = _load_page_tile(pool_ptr, base, tok, all_rows, kvh, 0, KS_OFF, True, FMT, BS, D, DOT,
-                                 NATIVE)
-        vt, vs = _load_page_tile(pool_ptr, base, tok, nm, kvh, V_OFF, VS_OFF, False, FMT, BS, D, DOT,
-                                 NATIVE)
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kt, ks, vt, vs, nm[None, :], qk_scale,
-                                      HAS_SCALE, DOT)
+        if SPLIT == 0:
+            kt, ks = _load_page_tile(pool_ptr, base, tok, all_rows, kvh, 0, KS_OFF, True, FMT, BS, D,
+                                     DOT, NATIVE)
+            vt, vs = _load_page_tile(pool_ptr, base, tok, nm, kvh, V_OFF, VS_OFF, False, FMT, BS, D,
+                                     DOT, NATIVE)
+            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kt, ks, vt, vs, nm[None, :], qk_scale,
+                                          HAS_SCALE, DOT)
+        else:
+            if SPLIT == 1:
+                ke, ko = _split_tile(pool_ptr, base, tok, all_rows, kvh, 0, FMT, BS, D, ASM)
+                ks = _token_scales(pool_ptr, base, tok, all_rows, kvh, KS_OFF, FMT, BS, ASM)
+                s = _dot(q_e, tl.trans(ke.to(DOT)), DOT) + _dot(q_o, tl.trans(ko.to(DOT)), DOT)
+            else:  # keys whole (their shared-memory reads are already wide), values split
+                kt, ks = _load_page_tile(pool_ptr, base, tok, all_rows, kvh, 0, KS_OFF, True, FMT, BS, D,
+                                         DOT, NATIVE)
+                s = _dot(q, tl.trans(kt), DOT)
+            ve, vo = _split_tile(pool_ptr, base, tok, nm, kvh, V_OFF, FMT, BS, D, ASM)
+            vs = _token_scales(pool_ptr, base, tok, nm, kvh, VS_OFF, FMT, BS, ASM)
+            acc_e, acc_o, m_i, l_i = _split_step(acc_e, acc_o, m_i, l_i, s, ks, ve, vo, vs, nm[None, :],
+                                                 qk_scale, DOT)
 
     if split == num_splits - 1:
         # 2. residual tail (prefix % BS tokens, full precision) and 3. the new token
@@ -124,10 +149,23 @@ def decode_kernel(
         rv = rk + KVH * BS * D
         kn = k_ptr + b.to(tl.int64) * stride_kb + kvh * D
         vn = v_ptr + b.to(tl.int64) * stride_vb + kvh * D
-        kt = tl.where(is_new, tl.load(kn + d)[None, :], tl.load(rk + d[None, :], mask=tm[:, None], other=0.0))
-        vt = tl.where(is_new, tl.load(vn + d)[None, :], tl.load(rv + d[None, :], mask=tm[:, None], other=0.0))
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kt.to(DOT), kt, vt.to(DOT), vt, valid, qk_scale,
-                                      False, DOT)
+        if SPLIT == 0:
+            kt = tl.where(is_new, tl.load(kn + d)[None, :], tl.load(rk + d[None, :], mask=tm[:, None], other=0.0))
+            vt = tl.where(is_new, tl.load(vn + d)[None, :], tl.load(rv + d[None, :], mask=tm[:, None], other=0.0))
+            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kt.to(DOT), kt, vt.to(DOT), vt, valid,
+                                          qk_scale, False, DOT)
+        else:
+            ones = tl.full((BS,), 1.0, tl.float32)
+            ce, co = 2 * c2, 2 * c2 + 1
+            ke = tl.where(is_new, tl.load(kn + ce)[None, :], tl.load(rk + ce[None, :], mask=tm[:, None], other=0.0))
+            ko = tl.where(is_new, tl.load(kn + co)[None, :], tl.load(rk + co[None, :], mask=tm[:, None], other=0.0))
+            ve = tl.where(is_new, tl.load(vn + ce)[None, :], tl.load(rv + ce[None, :], mask=tm[:, None], other=0.0))
+            vo = tl.where(is_new, tl.load(vn + co)[None, :], tl.load(rv + co[None, :], mask=tm[:, None], other=0.0))
+            s = _dot(q_e, tl.trans(ke.to(DOT)), DOT) + _dot(q_o, tl.trans(ko.to(DOT)), DOT)
+            acc_e, acc_o, m_i, l_i = _split_step(acc_e, acc_o, m_i, l_i, s, ones, ve, vo, ones, valid,
+                                                 qk_scale, DOT)
+    if SPLIT > 0:  # back to channel order: (m, j, 0) = channel 2j, (m, j, 1) = channel 2j + 1
+        acc = tl.reshape(tl.join(acc_e, acc_o), (BLOCK_H, D))
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -140,6 +178,85 @@ def decode_kernel(
     else:
         op = out_ptr + b.to(tl.int64) * stride_ob + (head * stride_oh)[:, None] + d[None, :]
         tl.store(op, _cast_out(o, out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _split_tile(pool_ptr, base, tok, n_mask, head, DATA_OFF: tl.constexpr, FMT: tl.constexpr,
+                BS: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr):
+    """8-bit codes of one KV head read as 32-bit words (4 channels each) -> (even, odd channels)
+    as fp16 [N, D // 2] each, decoded two at a time in 16-bit lanes. Splitting even/odd instead of
+    interleaving keeps the decode in whole words (no byte gathers from shared memory); the dot
+    products do not care about channel order (q is split the same way, and the output is
+    re-interleaved once at the end). e4m3 by bit operations comes out as x * 2**-8 (the 256 is in the
+    scale); with ASM (GPU only) e4m3 uses the hardware pair conversion and comes out exact."""
+    W: tl.constexpr = D // 4
+    w = tl.arange(0, W)
+    row = (head * BS + tok).to(tl.int64)
+    p32 = pool_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    x = tl.load(p32 + ((base + DATA_OFF) // 4 + row * W)[:, None] + w[None, :], mask=n_mask[:, None],
+                other=0)  # [N, W]
+    if ASM and FMT == 3:
+        # bytes (0, 2) and (1, 3) of each word as e4m3x2 -> fp16x2 (low byte -> low half)
+        e, o = tl.inline_asm_elementwise(
+            asm="""{ .reg .b32 t0, t1; .reg .b16 h0, h1;
+            prmt.b32 t0, $2, 0, 0x4420; prmt.b32 t1, $2, 0, 0x4431;
+            cvt.u16.u32 h0, t0; cvt.u16.u32 h1, t1;
+            cvt.rn.f16x2.e4m3x2 $0, h0; cvt.rn.f16x2.e4m3x2 $1, h1; }""",
+            constraints="=r,=r,r", args=[x], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+        return _pairs_fp16(e), _pairs_fp16(o)
+    return _lanes_fp16(x & 0x00FF00FF, FMT), _lanes_fp16((x >> 8) & 0x00FF00FF, FMT)
+
+
+@triton.jit
+def _pairs_fp16(f):
+    """uint32 [N, W] of fp16 pairs -> fp16 [N, 2W] (low half first)."""
+    return tl.reshape(tl.join((f & 0xFFFF).to(tl.uint16), (f >> 16).to(tl.uint16)),
+                      (f.shape[0], 2 * f.shape[1])).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _lanes_fp16(x, FMT: tl.constexpr):
+    """uint32 [N, W] with codes in bits 0-7 and 16-23 -> fp16 [N, 2W] (low lane first)."""
+    if FMT == 3:
+        f = ((x & 0x00800080) << 8) | ((x & 0x007F007F) << 7)
+    elif FMT == 4:
+        f = x << 8
+    else:  # int8: fp16(0x6400 | code ^ 0x80) = 1152 + x
+        f = (x ^ 0x00800080) | 0x64006400
+    y = _pairs_fp16(f)
+    if FMT == 5:
+        y = y - 1152.0
+    return y
+
+
+@triton.jit
+def _token_scales(pool_ptr, base, tok, n_mask, head, SCALE_OFF: tl.constexpr, FMT: tl.constexpr,
+                  BS: tl.constexpr, ASM: tl.constexpr):
+    """[N] fp32 scale of each token's codes: the page's (fp8, times 256 for e4m3's bit decode) or
+    the token's (int8)."""
+    if FMT == 5:
+        ps = pool_ptr.to(tl.pointer_type(tl.float16), bitcast=True)
+        return tl.load(ps + (base + SCALE_OFF) // 2 + head * BS + tok, mask=n_mask, other=0.0).to(tl.float32)
+    else:
+        ps = pool_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
+        s = tl.load(ps + (base + SCALE_OFF) // 4 + head, mask=n_mask, other=0.0)
+        return s * 256.0 if FMT == 3 and not ASM else s
+
+
+@triton.jit
+def _split_step(acc_e, acc_o, m_i, l_i, s, ks, ve, vo, vs, valid, qk_scale, DOT: tl.constexpr):
+    """`_softmax_step` given the raw scores s [M, N] fp32, values as even/odd channel halves (fp16
+    tiles [N, D // 2]) and per-token K and V scales."""
+    s = tl.where(valid, s * (ks * qk_scale)[None, :], float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v_max = tl.maximum(tl.max(vs, axis=0), 1e-30)
+    pv = (p * (vs / v_max)[None, :]).to(DOT)
+    acc_e = acc_e * alpha[:, None] + _dot(pv, ve.to(DOT), DOT) * v_max
+    acc_o = acc_o * alpha[:, None] + _dot(pv, vo.to(DOT), DOT) * v_max
+    return acc_e, acc_o, m_new, l_i
 
 
 def num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int,
@@ -204,13 +321,14 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
                      meta: AttentionMetadata, scale: float, *, splits: int | None = None,
                      block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                      programs_per_sm: int = 0, native_cvt: bool | None = None,
-                     block_h: int | None = None, maxnreg: int | None = None) -> torch.Tensor:
+                     split_codes: int | None = None, block_h: int | None = None,
+                     maxnreg: int | None = None) -> torch.Tensor:
     """out [B, H, D] for q [B, H, D] (one new token per sequence, k/v [B, KVH, D] its new K/V).
-    The keyword arguments override the defaults (benchmarks, tests): `native_cvt` converts fp8/int8
-    with the hardware instructions instead of bit operations; `programs_per_sm` replaces the
-    residency read from the compiled kernel in the split count; `block_h` sets the query rows of a
-    program (default G padded to 16; Triton also pads smaller dots itself); `maxnreg` caps
-    registers per thread."""
+    None takes the format's entry in TILES. `native_cvt` converts fp8/int8 with the hardware
+    instructions instead of bit operations; `split_codes` reads 8-bit codes as 32-bit words decoded
+    into even/odd channel halves (1: K and V, 2: V only); `programs_per_sm` replaces the residency
+    read from the compiled kernel in the split count; `block_h` sets the query rows of a program
+    (G padded to 16, or G itself where Triton pads the dot); `maxnreg` caps registers per thread."""
     if meta.max_query_len != 1 or q.shape[0] != meta.num_seqs:
         raise ValueError(f"decode needs one new token per sequence: max_query_len={meta.max_query_len}, "
                          f"T={q.shape[0]}, B={meta.num_seqs}")
@@ -221,12 +339,16 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
     fmt = FMT_CODES[L.kv_dtype]
     tiles = TILES[fmt]
     block_n = block_n or max(tiles.block_n, L.block_size)
-    if block_h is not None and block_h < G:
+    if block_h is None:
+        block_h = triton.next_power_of_2(G) if not tiles.pad_rows else max(16, triton.next_power_of_2(G))
+    if block_h < G:
         raise ValueError(f"block_h must be at least the {G} query heads per KV head, got {block_h}")
     if block_n % L.block_size:
         raise ValueError(f"block_n must be a multiple of the block size {L.block_size}, got {block_n}")
     num_stages = tiles.num_stages if num_stages is None else num_stages
     native_cvt = tiles.native_cvt if native_cvt is None else native_cvt
+    split_codes = int(tiles.split_codes if split_codes is None else split_codes) if fmt in (
+        FMT_E4M3, FMT_E5M2, FMT_INT8) else 0
     unit = _unit(fmt)
     out = torch.empty_like(q)
     res = cache.residual
@@ -240,8 +362,9 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
         slot_stride=res.stride(0), res_layer_off=layer * res.stride(1), qk_scale=scale * LOG2E,
         V_OFF=L.v_data_offset // unit, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset,
         FMT=fmt, HAS_SCALE=fmt in (FMT_E4M3, FMT_E5M2, FMT_INT8), KVH=L.kv_heads, G=G,
-        BS=L.block_size, D=D, BLOCK_H=block_h or max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
-        DOT=_dot_dtype(fmt, q), NATIVE=native_cvt,
+        BS=L.block_size, D=D, BLOCK_H=block_h, BLOCK_N=block_n,
+        DOT=_dot_dtype(fmt, q), NATIVE=native_cvt, SPLIT=int(split_codes),
+        ASM=bool(native_cvt and os.environ.get("TRITON_INTERPRET") != "1"),  # no inline PTX there
         num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
     if splits is None:
         if programs_per_sm:
