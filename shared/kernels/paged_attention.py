@@ -1,13 +1,12 @@
-"""The paged attention kernel shared by decode and prefill/extend (launchers in decode_attention.py
-and prefill_attention.py).
+"""The prefill/extend attention kernel (launcher in prefill_attention.py) and what the decode
+kernel (decode_attention.py) shares with it: the page-tile loader, the online-softmax step, the
+split reduction and the argument checks.
 
-One program = one tile of rows x one KV head x one split. A row is a (new token, query head) pair;
-the rows of a tile are TOK_PER_TILE tokens x the G query heads that share the KV head, so each page
-is read once per tile for the whole group (decode: 1 token x G heads, padded to 16 rows for tl.dot).
-Keys of a sequence, in order: its full pages (quantized, read through the block table and
-dequantized in registers), its residual tail (< bs tokens, full precision), its new tokens (dense,
-causal). Splits (flash-decoding) divide the full pages; the last split also takes tail and new
-tokens and each split writes a partial result + log-sum-exp for `reduce_splits`.
+One program = one tile of rows x one KV head. A row is a (new token, query head) pair; the rows of
+a tile are TOK_PER_TILE tokens x the G query heads that share the KV head, so each page is read once
+per tile for the whole group. Keys of a sequence, in order: its full pages (quantized, read through
+the block table and dequantized in registers), its residual tail (< bs tokens, full precision), its
+new tokens (dense, causal).
 
 Dequantization without float conversion instructions (integer ops + bitcast to fp16):
     fp8 e5m2: fp16 bits = byte << 8                               (exact)
@@ -136,9 +135,7 @@ def paged_attention_kernel(
     q_ptr,  # [T, H, D] new queries
     k_ptr,  # [T, KVH, D] new keys (dense, full precision)
     v_ptr,  # [T, KVH, D] new values
-    out_ptr,  # [T, H, D] output (SPLITS == 1)
-    part_out_ptr,  # fp32 [T, H, SPLITS, D] normalized partial outputs (SPLITS > 1)
-    part_lse_ptr,  # fp32 [T, H, SPLITS] log2-sum-exp of each partial (SPLITS > 1)
+    out_ptr,  # [T, H, D] output
     pool_ptr,  # uint8 [num_pages, page_bytes]
     res_ptr,  # [num_slots, layers, 2, KVH, BS, D] residual tails (contiguous)
     query_start_ptr,  # int32 [B + 1]
@@ -155,12 +152,11 @@ def paged_attention_kernel(
     V_OFF: tl.constexpr, KS_OFF: tl.constexpr, VS_OFF: tl.constexpr,
     FMT: tl.constexpr, HAS_SCALE: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
     BS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, TOK_PER_TILE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     b = tl.program_id(1)
-    kvh = tl.program_id(2) // SPLITS
-    split = tl.program_id(2) % SPLITS
+    kvh = tl.program_id(2)
     q_start = tl.load(query_start_ptr + b)
     q_len = tl.load(query_start_ptr + b + 1) - q_start
     tok0 = tile * TOK_PER_TILE
@@ -179,13 +175,10 @@ def paged_attention_kernel(
         m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
 
-        # 1. full pages of this split (quantized)
-        n_pages = prefix // BS
-        per_split = tl.cdiv(n_pages, SPLITS)
-        p_lo = split * per_split
-        n_end = tl.minimum(n_pages, p_lo + per_split) * BS
+        # 1. full pages (quantized)
+        n_end = prefix // BS * BS
         bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-        for n0 in range(p_lo * BS, n_end, BLOCK_N):
+        for n0 in range(0, n_end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             nm = n < n_end
             page = tl.load(bt_row + n // BS, mask=nm, other=0).to(tl.int64)
@@ -197,43 +190,34 @@ def paged_attention_kernel(
             acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kt, ks, vt, vs, nm[None, :], qk_scale,
                                           HAS_SCALE, DOT)
 
-        if split == SPLITS - 1:
-            # 2. residual tail: prefix % BS tokens in full precision
-            n_tail = prefix % BS
-            if n_tail > 0:
-                t = tl.arange(0, BS)
-                tm = t < n_tail
-                slot = tl.load(residual_slots_ptr + b).to(tl.int64)
-                rk = res_ptr + slot * slot_stride + res_layer_off + ((kvh * BS + t) * D)[:, None] + d[None, :]
-                kt = tl.load(rk, mask=tm[:, None], other=0.0).to(DOT)
-                vt = tl.load(rk + KVH * BS * D, mask=tm[:, None], other=0.0).to(DOT)
-                acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kt, kt, vt, vt, tm[None, :], qk_scale,
-                                              False, DOT)
-            # 3. new tokens, causal
-            last = tl.minimum(tok0 + TOK_PER_TILE, q_len)  # keys 0 .. last-1 are visible to some row
-            for j0 in range(0, last, BLOCK_N):
-                j = j0 + tl.arange(0, BLOCK_N)
-                jm = j < last
-                kr = (q_start + j).to(tl.int64)
-                kt = tl.load(k_ptr + (kr * stride_kt + kvh * D)[:, None] + d[None, :],
-                             mask=jm[:, None], other=0.0).to(DOT)
-                vt = tl.load(v_ptr + (kr * stride_vt + kvh * D)[:, None] + d[None, :],
-                             mask=jm[:, None], other=0.0).to(DOT)
-                valid = jm[None, :] & (j[None, :] <= row_tok[:, None])
-                acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kt, kt, vt, vt, valid, qk_scale,
-                                              False, DOT)
+        # 2. residual tail: prefix % BS tokens in full precision
+        n_tail = prefix % BS
+        if n_tail > 0:
+            t = tl.arange(0, BS)
+            tm = t < n_tail
+            slot = tl.load(residual_slots_ptr + b).to(tl.int64)
+            rk = res_ptr + slot * slot_stride + res_layer_off + ((kvh * BS + t) * D)[:, None] + d[None, :]
+            kt = tl.load(rk, mask=tm[:, None], other=0.0).to(DOT)
+            vt = tl.load(rk + KVH * BS * D, mask=tm[:, None], other=0.0).to(DOT)
+            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kt, kt, vt, vt, tm[None, :], qk_scale,
+                                          False, DOT)
+        # 3. new tokens, causal
+        last = tl.minimum(tok0 + TOK_PER_TILE, q_len)  # keys 0 .. last-1 are visible to some row
+        for j0 in range(0, last, BLOCK_N):
+            j = j0 + tl.arange(0, BLOCK_N)
+            jm = j < last
+            kr = (q_start + j).to(tl.int64)
+            kt = tl.load(k_ptr + (kr * stride_kt + kvh * D)[:, None] + d[None, :],
+                         mask=jm[:, None], other=0.0).to(DOT)
+            vt = tl.load(v_ptr + (kr * stride_vt + kvh * D)[:, None] + d[None, :],
+                         mask=jm[:, None], other=0.0).to(DOT)
+            valid = jm[None, :] & (j[None, :] <= row_tok[:, None])
+            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kt, kt, vt, vt, valid, qk_scale,
+                                          False, DOT)
 
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        o = acc / l_safe[:, None]
-        if SPLITS == 1:
-            op = out_ptr + (q_row * stride_ot + head * stride_oh)[:, None] + d[None, :]
-            tl.store(op, _cast_out(o, out_ptr.dtype.element_ty), mask=row_ok[:, None])
-        else:
-            ph = q_row * (KVH * G) + head  # [M] row of [T, H]
-            tl.store(part_out_ptr + ((ph * SPLITS + split) * D)[:, None] + d[None, :], o,
-                     mask=row_ok[:, None])
-            lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
-            tl.store(part_lse_ptr + ph * SPLITS + split, lse, mask=row_ok)
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        op = out_ptr + (q_row * stride_ot + head * stride_oh)[:, None] + d[None, :]
+        tl.store(op, _cast_out(o, out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -298,10 +282,9 @@ def _check(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torc
 
 def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor,
                            v: torch.Tensor, meta: AttentionMetadata, scale: float, *,
-                           block_m: int, block_n: int, splits: int, num_warps: int,
-                           num_stages: int, max_query_len: int, native_cvt: bool = False,
-                           maxnreg: int | None = None) -> torch.Tensor:
-    """Runs the kernel (and the split reduction) over every sequence; returns out [T, H, D]."""
+                           block_m: int, block_n: int, num_warps: int, num_stages: int,
+                           max_query_len: int, native_cvt: bool = False) -> torch.Tensor:
+    """Runs the prefill/extend kernel over every sequence; returns out [T, H, D]."""
     _check(cache, layer, q, k, v, meta)
     L = cache.layout
     T, H, D = q.shape
@@ -313,16 +296,9 @@ def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch
     tok_per_tile = block_m // G
     n_tiles = triton.cdiv(max_query_len, tok_per_tile)
     out = torch.empty_like(q)
-    if splits > 1:
-        part_out = torch.empty(T, H, splits, D, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(T, H, splits, dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_lse = out  # unused
     res = cache.residual
-    extra = {} if maxnreg is None else {"maxnreg": maxnreg}  # register cap: more CTAs per SM
-    paged_attention_kernel[(n_tiles, B, L.kv_heads * splits)](
-        q_ptr=q, k_ptr=k, v_ptr=v, out_ptr=out, part_out_ptr=part_out, part_lse_ptr=part_lse,
-        pool_ptr=cache.pool, res_ptr=res,
+    paged_attention_kernel[(n_tiles, B, L.kv_heads)](
+        q_ptr=q, k_ptr=k, v_ptr=v, out_ptr=out, pool_ptr=cache.pool, res_ptr=res,
         query_start_ptr=meta.query_start_loc, prefix_lens_ptr=meta.prefix_lens,
         block_tables_ptr=meta.block_tables, residual_slots_ptr=meta.residual_slots,
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_vt=v.stride(0),
@@ -333,12 +309,6 @@ def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch
         V_OFF=L.v_data_offset // unit, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset,
         FMT=fmt, HAS_SCALE=fmt in (FMT_E4M3, FMT_E5M2, FMT_INT8), KVH=L.kv_heads, G=G,
         BS=L.block_size, D=D, BLOCK_M=block_m, TOK_PER_TILE=tok_per_tile, BLOCK_N=block_n,
-        SPLITS=splits, DOT=_dot_dtype(fmt, q), NATIVE=native_cvt, num_warps=num_warps, num_stages=num_stages,
-        **extra,
+        DOT=_dot_dtype(fmt, q), NATIVE=native_cvt, num_warps=num_warps, num_stages=num_stages,
     )
-    if splits > 1:
-        reduce_splits_kernel[(T, H)](
-            part_out_ptr=part_out, part_lse_ptr=part_lse, out_ptr=out,
-            stride_ot=out.stride(0), stride_oh=out.stride(1),
-            H=H, SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), D=D, num_warps=4)
     return out

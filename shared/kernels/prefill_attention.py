@@ -18,5 +18,5 @@ def prefill_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tens
                       num_warps: int = 8, num_stages: int = 2) -> torch.Tensor:
     """out [T, H, D] for q [T, H, D], k/v [T, KVH, D] (new tokens of every sequence, in order)."""
     return launch_paged_attention(cache, layer, q, k, v, meta, scale, block_m=block_m,
-                                  block_n=block_n, splits=1, num_warps=num_warps,
-                                  num_stages=num_stages, max_query_len=meta.max_query_len)
+                                  block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                                  max_query_len=meta.max_query_len)
