@@ -26,7 +26,8 @@ from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata  # noqa: 
 from kvmesh.kernels.torch_ref import TorchBackend  # noqa: E402
 from kvmesh.kv.layout import BlockLayout  # noqa: E402
 from kvmesh.kv.pool import KVCache  # noqa: E402
-from kvmesh.model.loader import load_model  # noqa: E402
+from kvmesh.model.key_centers import load_or_compute  # noqa: E402
+from kvmesh.model.loader import load_model, model_cache_dir  # noqa: E402
 from kvmesh.model.tokenizer import Tokenizer  # noqa: E402
 
 DTYPES = ("fp32", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
@@ -119,9 +120,12 @@ def main() -> None:
     print(f"corpus: {win.numel()} tokens in {args.windows} windows of {args.window_size}; "
           f"block size {args.block_size}", flush=True)
 
+    centers = load_or_compute(model, "smollm2", model_cache_dir("smollm2"))
     ppl = {}
     for d in dtypes if args.windows else ():
         t0 = time.perf_counter()
+        # what the engine does: FP8 caches hold centered keys (kvmesh.model.key_centers)
+        model.set_key_centers(centers if d.startswith("fp8") else None)
         ppl[d] = perplexity(model, cfg, win, d, args.block_size, args.batch)
         print(f"  {d:9s} perplexity {ppl[d]:.4f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
     agree = {}

@@ -33,12 +33,12 @@ def _hf_model(model: str, dtype: torch.dtype):
     import transformers
 
     from kvmesh.model.config import resolve_model_path
-    from kvmesh.model.loader import gguf_cache_dir, load_model
+    from kvmesh.model.loader import model_cache_dir, load_model
 
     path = resolve_model_path(model)
     if path.is_file():
         load_model(model, torch.float32, "cpu")  # makes sure the converted HF directory exists
-        path = gguf_cache_dir(model)
+        path = model_cache_dir(model)
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 

@@ -53,9 +53,9 @@ def test_tiny_model_greedy_matches_transformers(tmp_path, kind):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from kvmesh.model.loader import gguf_cache_dir
+    from kvmesh.model.loader import model_cache_dir
     eng = engine("smollm2", max_num_seqs=4, max_num_batched_tokens=64)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(gguf_cache_dir("smollm2"),
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_cache_dir("smollm2"),
                                                            torch_dtype=torch.float32).eval()
     return eng, hf
 

@@ -13,7 +13,7 @@ from kvmesh.kv.layout import BlockLayout
 from kvmesh.kv.pool import KVCache
 from kvmesh.model.config import model_identity, resolve_model_path
 from kvmesh.model.gguf_file import GGUFFile
-from kvmesh.model.loader import gguf_cache_dir, load_model
+from kvmesh.model.loader import model_cache_dir, load_model
 from kvmesh.model.tokenizer import Tokenizer
 
 
@@ -65,7 +65,7 @@ def test_smollm2_logits_match_transformers_gguf(smollm):
 
 def test_second_load_reads_the_cache(smollm, monkeypatch):
     model, cfg = smollm
-    cache_dir = gguf_cache_dir("smollm2")
+    cache_dir = model_cache_dir("smollm2")
     assert cache_dir.name == model_identity("smollm2")
     for f in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json",
               "generation_config.json"):

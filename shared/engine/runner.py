@@ -13,7 +13,8 @@ from kvmesh.kernels.backend import make_backend
 from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata
 from kvmesh.kv.layout import BlockLayout, canonical_kv_dtype
 from kvmesh.kv.pool import KVCache
-from kvmesh.model.loader import load_model
+from kvmesh.model.key_centers import load_or_compute
+from kvmesh.model.loader import load_model, model_cache_dir
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _NAMES = {v: k for k, v in _DTYPES.items()}
@@ -58,6 +59,8 @@ class ModelRunner:
         self.layout = BlockLayout(num_layers=mc.num_layers, kv_heads=mc.num_kv_heads,
                                   head_dim=mc.head_dim, block_size=cfg.cache.block_size,
                                   kv_dtype=kv_dtype)
+        if kv_dtype.startswith("fp8"):  # keys centered before FP8 rounds them (model/key_centers.py)
+            self.model.set_key_centers(load_or_compute(self.model, cfg.model, model_cache_dir(cfg.model)))
         num_blocks = self._num_blocks()
         self.cache = KVCache(self.layout, num_blocks, num_residual_slots, self.dtype, self.device)
         self.backend = make_backend(cfg.attention_backend, self.device)

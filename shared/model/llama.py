@@ -45,6 +45,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.scale = self.d ** -0.5
+        self.key_center: torch.Tensor | None = None  # [KVH, D], see kvmesh.model.key_centers
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
@@ -53,6 +54,8 @@ class Attention(nn.Module):
         # one rotation for q and k together (fewer kernel launches per layer)
         qk = RotaryEmbedding.apply(qkv[:, :self.h + self.kvh], cos, sin)  # [T, H + KVH, D]
         q, k = qk[:, :self.h], qk[:, self.h:]  # [T, H, D], [T, KVH, D]
+        if self.key_center is not None:  # a shift every key of a query shares: softmax ignores it
+            k = k - self.key_center
         v = qkv[:, self.h + self.kvh:]  # [T, KVH, D]
         out = backend.attend(cache, self.layer, q, k, v, meta, self.scale)  # [T, H, D]
         backend.write(cache, self.layer, k, v, meta)
@@ -113,6 +116,17 @@ class LlamaForCausalLM(nn.Module):
             return self.logits_head(hidden)  # float32 (packing is for float32 models only)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, w).float()
+
+    def set_key_centers(self, centers: torch.Tensor | None) -> None:
+        """Subtract centers[layer] [KVH, D] from every post-RoPE key (None: off); see key_centers.py."""
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.key_center = None if centers is None else centers[i].to(
+                self.embed_tokens.weight.device, self.embed_tokens.weight.dtype)
+
+    def key_centers(self) -> torch.Tensor | None:
+        """The centers in use, [L, KVH, D], or None."""
+        c = [layer.self_attn.key_center for layer in self.layers]
+        return None if c[0] is None else torch.stack(c)
 
     def pack_for_cpu(self) -> bool:
         """Pre-packs every float32 linear weight and the output head for MKL's sgemm (CPU; see

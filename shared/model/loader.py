@@ -55,8 +55,9 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device | str) -> tu
     return net.eval(), cfg
 
 
-def gguf_cache_dir(model: str) -> Path:
-    """Where the converted copy of a GGUF model lives (it may not exist yet)."""
+def model_cache_dir(model: str) -> Path:
+    """The model's own cache directory: the converted copy of a GGUF model, its key centers (it may
+    not exist yet)."""
     return cache_root() / model_identity(model)
 
 
