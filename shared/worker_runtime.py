@@ -181,7 +181,9 @@ class Worker:
         from kvmesh.block_transfer import BlockTransfer, TransferMetrics
         self.runtime = WorkerRuntime(cfg, self.role, engine, index, metrics)
         llm = engine.engine
-        self.transfer = BlockTransfer(kvstore, llm.layout, llm.model_id, self.runtime.holder,
+        centers = getattr(getattr(llm, "runner", None), "key_centers_digest", "")
+        model_id = f"{llm.model_id}|kc:{centers}" if centers else llm.model_id  # pages hold centered keys
+        self.transfer = BlockTransfer(kvstore, llm.layout, model_id, self.runtime.holder,
                                       cfg.lease_seconds, TransferMetrics(self.runtime.metrics.registry))
 
     @property

@@ -90,5 +90,6 @@ def test_engine_centers_fp8_caches_only(tmp_path, monkeypatch, kv, centered):
     llm = LLM(str(tmp_path / "tiny"), kv_cache_dtype=kv, device="cpu", kv_cache_memory=4 << 20)
     model = llm.llm_engine.runner.model
     assert (model.key_centers() is not None) == centered
+    assert bool(llm.llm_engine.runner.key_centers_digest) == centered  # joins the kvstore layout id
     out = llm.generate([[5, 6, 7, 8] * 10], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 8

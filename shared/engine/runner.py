@@ -13,7 +13,7 @@ from kvmesh.kernels.backend import make_backend
 from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata
 from kvmesh.kv.layout import BlockLayout, canonical_kv_dtype
 from kvmesh.kv.pool import KVCache
-from kvmesh.model.key_centers import load_or_compute
+from kvmesh.model.key_centers import centers_digest, load_or_compute
 from kvmesh.model.loader import load_model, model_cache_dir
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -59,8 +59,11 @@ class ModelRunner:
         self.layout = BlockLayout(num_layers=mc.num_layers, kv_heads=mc.num_kv_heads,
                                   head_dim=mc.head_dim, block_size=cfg.cache.block_size,
                                   kv_dtype=kv_dtype)
+        self.key_centers_digest = ""  # names the key centers in use (pages differ between centers)
         if kv_dtype.startswith("fp8"):  # keys centered before FP8 rounds them (model/key_centers.py)
-            self.model.set_key_centers(load_or_compute(self.model, cfg.model, model_cache_dir(cfg.model)))
+            centers = load_or_compute(self.model, cfg.model, model_cache_dir(cfg.model))
+            self.model.set_key_centers(centers)
+            self.key_centers_digest = centers_digest(centers)
         num_blocks = self._num_blocks()
         self.cache = KVCache(self.layout, num_blocks, num_residual_slots, self.dtype, self.device)
         self.backend = make_backend(cfg.attention_backend, self.device)

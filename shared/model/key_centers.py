@@ -6,10 +6,13 @@ is unchanged in exact arithmetic; what changes is what FP8 has to round. On Smol
 holds 44-70 % of their energy and e4m3's relative rounding hit that offset again in every token
 (docs/kv_cache.md, "FP8 levers"). The centers are the mean key over a fixed calibration text,
 rounded to fp16 so that every process of a deployment computes the same ones; they are computed once
-per model and kept in the model cache directory beside the converted weights.
+per model and kept in the model cache directory beside the converted weights. Their digest joins the
+kvstore layout id, so a worker never reads pages written under other centers (the calibration text is
+the local Python's stdlib source: another Python version may compute other centers).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import pathlib
 import sysconfig
@@ -91,3 +94,9 @@ def load_or_compute(net, model: str, cache_dir: pathlib.Path) -> torch.Tensor:
     torch.save(centers, tmp)
     tmp.replace(path)  # atomic: concurrent workers write the same values
     return centers
+
+
+def centers_digest(centers: torch.Tensor) -> str:
+    """16 hex digits naming a set of centers (their fp16 bytes): pages written under different
+    centers must not be read as each other's (kvstore layout id)."""
+    return hashlib.sha256(centers.to(torch.float16).numpy().tobytes()).hexdigest()[:16]
