@@ -19,11 +19,11 @@ from kvmesh.model.llama import LlamaForCausalLM
 BS = 16
 
 
-def tiny_model(device: str) -> LlamaForCausalLM:
+def tiny_model(device: str, rope_theta: float = 10000.0, attention_bias: bool = False) -> LlamaForCausalLM:
     cfg = ModelConfig(architecture="LlamaForCausalLM", hidden_size=128, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=32, intermediate_size=256, vocab_size=256,
-                      rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                      attention_bias=False, max_position_embeddings=512, bos_token_id=None,
+                      rope_theta=rope_theta, rope_scaling=None, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                      attention_bias=attention_bias, max_position_embeddings=512, bos_token_id=None,
                       eos_token_ids=(), torch_dtype="float32", name="tiny")
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)

@@ -14,7 +14,6 @@ from test_engine_models import make_tiny_model  # noqa: E402
 from test_kernels_model import generate, tiny_model  # noqa: E402
 
 from kvmesh.kernels.torch_ref import TorchBackend  # noqa: E402
-from kvmesh.model.config import ModelConfig  # noqa: E402
 from kvmesh.model.key_centers import CALIBRATION_TOKENS, calibration_ids, compute_key_centers, load_or_compute  # noqa: E402
 from kvmesh.model.llama import LlamaForCausalLM  # noqa: E402
 
@@ -40,15 +39,7 @@ def test_centering_leaves_full_precision_attention_unchanged():
 def offset_keys_model() -> LlamaForCausalLM:
     """Keys = small variation + a large constant per channel (as trained models' keys are); a huge
     RoPE base keeps the constant constant after rotation."""
-    cfg = ModelConfig(architecture="LlamaForCausalLM", hidden_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=32, intermediate_size=256, vocab_size=256,
-                      rope_theta=1e12, rope_scaling=None, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                      attention_bias=True, max_position_embeddings=512, bos_token_id=None,
-                      eos_token_ids=(), torch_dtype="float32", name="offset")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.2)
+    model = tiny_model("cpu", rope_theta=1e12, attention_bias=True)
     with torch.no_grad():
         for layer in model.layers:
             a = layer.self_attn
