@@ -1,7 +1,7 @@
 """Paged decode attention (one new token per sequence) over the quantized KV pool.
 
 One program per (sequence, KV head, split) serves the G query heads of that KV head (padded to 16
-rows for tl.dot), so every page is read once. Its split of the sequence's full pages is read
+rows, or G rows that Triton pads inside the dot), so every page is read once. Its split of the sequence's full pages is read
 BLOCK_N tokens at a time through the block table and dequantized in registers (`_load_page_tile`);
 the last split also takes the residual tail and the new token. With more than one split each
 program writes a normalized partial + log2-sum-exp and `reduce_splits_kernel` combines them.
@@ -10,8 +10,11 @@ Decode is memory-bound, so what matters is bytes in flight and whole waves:
 - K tiles are loaded without a mask (tokens past the split read pages of the table's first entry or
   page 0, always finite pool memory, and their scores are masked), so loads pipeline freely;
   V tiles and V scales keep the mask (0 * garbage must not reach the accumulator).
-- The split count comes from shapes only (no host sync, fixed grid): enough programs for several
-  waves of the GPU (a last wave 1/3 full cost 35 % at 64 x 4096 with one split).
+- The split count comes from shapes only (no host sync, fixed grid) and the compiled variant's
+  residency: whole waves (a last wave 1/3 full cost a third of the time at 64 x 4096).
+- Per-format tiles (`TILES`) come from benchmarks/decode_sweep.py on the H200; int8 reads its codes
+  as 32-bit words decoded into even/odd channel halves (`_split_tile`), which keeps Triton from
+  gathering single bytes out of shared memory for the dot operands.
 """
 from __future__ import annotations
 
