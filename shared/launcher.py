@@ -159,7 +159,8 @@ class Stack:
         self.cfg = cfg
         self.log = log
         self.supervisor = Supervisor(log)
-        self.gateway_port = cfg.port or free_port()
+        self._ports: set[int] = set()  # picked for children that have not bound them yet
+        self.gateway_port = cfg.port or self._free_port()
         self.index_url = cfg.redis_url
         self._abort = threading.Event()
 
@@ -171,6 +172,11 @@ class Stack:
     def url(self) -> str:
         host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "::", "") else self.cfg.host
         return f"http://{host}:{self.gateway_port}"
+
+    def _free_port(self) -> int:
+        port = free_port(taken=self._ports)
+        self._ports.add(port)
+        return port
 
     # -- building the command lines ---------------------------------------------------------------
     def _base(self, role: str) -> list[str]:
@@ -185,13 +191,13 @@ class Stack:
         cfg, lo = self.cfg, "127.0.0.1"
         waves: list[list[ServiceProcess]] = [[], [], []]
         if not cfg.redis_url:
-            port = free_port()
+            port = self._free_port()
             self.index_url = f"http://{lo}:{port}"
             waves[0].append(ServiceProcess("index", "index", self._base("index") + ["--host", lo, "--port", str(port)],
                                            self.index_url))
         kv_addrs = []
         for i in range(cfg.num_kvstore):
-            port = free_port()
+            port = self._free_port()
             kv_addrs.append(f"{lo}:{port}")
             argv = self._base("kvstore") + ["--host", lo, "--port", str(port), "--redis-url", self.index_url]
             if cfg.kvstore_capacity_bytes:
@@ -202,7 +208,7 @@ class Stack:
         workers: dict[str, list[str]] = {"prefill": [], "decode": []}
         for role, n in (("prefill", cfg.num_prefill), ("decode", cfg.num_decode)):
             for i in range(n):
-                port = free_port()
+                port = self._free_port()
                 workers[role].append(f"{lo}:{port}")
                 argv = self._base(role) + engine + ["--host", lo, "--port", str(port), "--redis-url", self.index_url]
                 for a in kv_addrs:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,7 +18,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Optional, TextIO
+from typing import Collection, Optional, TextIO
 
 
 class StackError(RuntimeError):
@@ -49,7 +50,32 @@ def probe(target: str, timeout_s: float = 2.0) -> tuple[bool, str]:
         return False, f"gRPC {e.code().name}"
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel takes outgoing connections' local ports from."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port(host: str = "127.0.0.1", taken: Collection[int] = ()) -> int:
+    """A port nothing listens on now, for a child to bind later. Chosen below the ephemeral range: a
+    port the kernel hands out (bind to 0) can go to any outgoing connection before the child binds it
+    (seen: the gateway, started last, lost its port to a worker's connection)."""
+    lo, _ = _ephemeral_ports()
+    pick = random.SystemRandom()
+    for _ in range(100 if lo > 11_000 else 0):
+        port = pick.randrange(10_000, lo)
+        if port in taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
