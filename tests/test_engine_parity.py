@@ -10,7 +10,7 @@ import transformers
 from kvmesh.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.sampling_params import SamplingParams
-from test_engine_models import hf_greedy, make_tiny_model, random_prompts
+from test_engine_models import hf_greedy, make_tiny_model, random_prompts, run_to_completion
 
 torch.set_num_threads(1)  # 2 shared cores: more threads only add contention
 
@@ -20,12 +20,7 @@ NEW = 64
 def run_all(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
     for i, p in enumerate(prompts):
         eng.add_request(f"r{i}", p, params)
-    final = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.finished:
-                final[o.request_id] = o
-    eng.kv.check_integrity()
+    final = run_to_completion(eng)  # also checks the allocator's integrity
     assert eng.kv.usage == 0.0
     return [final[f"r{i}"].outputs[0].token_ids for i in range(len(prompts))]
 
