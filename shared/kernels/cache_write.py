@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvmesh.kernels.formats import (FMT_CODES, FMT_E4M3, FMT_INT8, div_rn_fma, fp16_round_scale, rint_even,
-                                    to_bf16_rne)
+from kvmesh.kernels.formats import (FMT_CODES, FMT_E4M3, FMT_INT4, FMT_INT8, div_rn_fma, fp16_round_scale,
+                                    rint_even, to_bf16_rne)
 from kvmesh.kernels.int4_codec import store_int4_k, store_int4_v
 from kvmesh.kv.layout import BlockLayout
 from kvmesh.kv.pool import KVCache
@@ -45,11 +45,25 @@ def _gather_raw(res_ptr, new_ptr, rows, slot_stride, res_off, new_stride_t, head
 
 
 @triton.jit
-def _gather_rows(res_ptr, new_ptr, rows, slot_stride, res_off, new_stride_t, head, kv: tl.constexpr,
-                 R, KVH: tl.constexpr, BS: tl.constexpr, cols, D: tl.constexpr):
-    """Rows `rows` [BS] of S, channels `cols` [C] -> fp32 [BS, C]."""
-    return _gather_raw(res_ptr, new_ptr, rows, slot_stride, res_off, new_stride_t, head, kv, R, KVH, BS,
-                       cols, D).to(tl.float32)
+def _gather_heads(res_ptr, new_ptr, rows, c, slot_stride, res_off, new_stride_t, head0, kv: tl.constexpr,
+                  R, KVH: tl.constexpr, BS: tl.constexpr, D: tl.constexpr):
+    """Rows `rows` of S at channels `c` of heads head0.. side by side (c in [0, HP * D); the two
+    broadcast to the tile's shape) -> the tile in the sources' dtype (fp32 if they differ). New rows
+    hold the heads contiguously, residual rows BS * D apart."""
+    rows = rows.to(tl.int32)  # < 2**31 rows in S; int32 index math, int64 only for the products
+    is_new = rows >= R
+    r_res = tl.where(is_new, 0, rows)
+    r_new = tl.where(is_new, rows - R, 0)
+    res_row = (r_res // BS).to(tl.int64) * slot_stride + res_off + ((kv * KVH + head0) * BS + r_res % BS) * D
+    new_row = r_new.to(tl.int64) * new_stride_t + head0 * D
+    res_c = (c // D) * (BS * D) + c % D
+    if res_ptr.dtype == new_ptr.dtype:  # one load per element from whichever source holds its row
+        x = tl.load(tl.where(is_new, new_ptr + new_row + c, res_ptr + res_row + res_c))
+    else:
+        a = tl.load(res_ptr + res_row + res_c, mask=~is_new, other=0.0)
+        b = tl.load(new_ptr + new_row + c, mask=is_new, other=0.0)
+        x = tl.where(is_new, b.to(tl.float32), a.to(tl.float32))
+    return x
 
 
 @triton.jit
@@ -169,6 +183,7 @@ def _cache_write_kernel(
     FMT: tl.constexpr, KVH: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
     HW: tl.constexpr,  # GPU: hardware fp8 cast and fma division (the interpreter misrounds both)
     STEPS: tl.constexpr,  # Markstein corrections in div_rn_fma: 1 for fp16/bf16 inputs, 2 for fp32
+    HP: tl.constexpr,  # KV heads per program (int4; 1 for the other formats)
 ):
     blk = tl.program_id(0)
     head = tl.program_id(1)
@@ -177,12 +192,20 @@ def _cache_write_kernel(
     tl.debug_barrier()  # keeps the rows load here, in flight with the page id's, not sunk below the test
     if page >= 0:
         base = page.to(tl.int64) * page_stride + layer_off  # byte offset of this page's layer
-        if FMT == 6:  # contiguous row loads; the codec splits even/odd channels itself
-            d = tl.arange(0, D)
-            kx = _gather_rows(res_ptr, k_ptr, rows, slot_stride, res_layer_off, stride_kt, head, 0, R, KVH, BS, d, D)
-            store_int4_k(pool_ptr, base, base + KS_OFF, head, kx, BS, D)
-            vx = _gather_rows(res_ptr, v_ptr, rows, slot_stride, res_layer_off, stride_vt, head, 1, R, KVH, BS, d, D)
-            store_int4_v(pool_ptr, base + V_OFF, base + VS_OFF, base + KS_OFF, head, vx, BS, D)
+        if FMT == 6:  # HP heads side by side: a thread holds all BS tokens of its 8 channels (see int4_heads)
+            h0 = head * HP
+            c = tl.arange(0, HP * D)[None, :]
+            kx = _gather_heads(res_ptr, k_ptr, rows[:, None], c, slot_stride, res_layer_off, stride_kt, h0, 0, R,
+                               KVH, BS, D)  # [BS, HP * D]
+            # values as [HP * G, BS, 4, 8]: Triton spreads the lanes over the first dims (groups, then
+            # tokens), so a thread's 8-channel vectors cover whole 32-channel groups
+            g = tl.arange(0, HP * D // 32)[:, None, None, None]
+            j = tl.arange(0, 4)[None, None, :, None]
+            e = tl.arange(0, 8)[None, None, None, :]
+            vx = _gather_heads(res_ptr, v_ptr, rows[None, :, None, None], g * 32 + j * 8 + e, slot_stride,
+                               res_layer_off, stride_vt, h0, 1, R, KVH, BS, D)
+            store_int4_k(pool_ptr, base, base + KS_OFF, h0, kx, BS, D, HP)
+            store_int4_v(pool_ptr, base + V_OFF, base + VS_OFF, base + KS_OFF, h0, vx, BS, D, HP)
         else:
             d = tl.arange(0, D)
             kx = _gather_raw(res_ptr, k_ptr, rows, slot_stride, res_layer_off, stride_kt, head, 0, R, KVH, BS, d, D)
@@ -208,10 +231,25 @@ def _check_rows(name: str, x: torch.Tensor, L: BlockLayout) -> None:
         raise ValueError(f"{name} must have contiguous heads and channels, got strides {x.stride()}")
 
 
+INT4_WARPS = 1  # int4 write: warps per program (benchmarks/int4_gpu_check.py compares 1, 2, 4)
+
+
+def int4_heads(kv_heads: int, head_dim: int, num_warps: int) -> int:
+    """KV heads per int4 write program: the fewest whose HP * D channels give each of the program's
+    threads 8 channels (one 16-byte load a row), so the per-channel K reduction over the block's
+    tokens stays in registers and each group's codes are computed by one thread, not replicated."""
+    hp = 1
+    while hp * head_dim < 256 * num_warps and kv_heads % (2 * hp) == 0:
+        hp *= 2
+    return hp
+
+
 def write_blocks(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
-                 block_rows: torch.Tensor, block_ids: torch.Tensor) -> None:
+                 block_rows: torch.Tensor, block_ids: torch.Tensor, *, num_warps: int | None = None,
+                 heads_per_program: int | None = None) -> None:
     """Quantize blocks `block_rows` [n, bs] (rows of cat(residual rows, new rows)) into pages
-    `block_ids` [n] (-1 = skip) of `layer`. k, v: [T, KVH, D] new rows."""
+    `block_ids` [n] (-1 = skip) of `layer`. k, v: [T, KVH, D] new rows. `num_warps` and
+    `heads_per_program` (int4 only) override the defaults, for benchmarks."""
     L = cache.layout
     if not 0 <= layer < L.num_layers:
         raise ValueError(f"layer must be in [0, {L.num_layers}), got {layer}")
@@ -228,7 +266,13 @@ def write_blocks(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
         raise ValueError("cache.residual must be contiguous")
     res = cache.residual
     slot_stride = res.stride(0)
-    _cache_write_kernel[(n, L.kv_heads)](
+    fmt = FMT_CODES[L.kv_dtype]
+    if num_warps is None:
+        num_warps = INT4_WARPS if fmt == FMT_INT4 else 2 if FMT_E4M3 <= fmt <= FMT_INT8 else 4
+    hp = 1 if fmt != FMT_INT4 else heads_per_program or int4_heads(L.kv_heads, L.head_dim, num_warps)
+    if L.kv_heads % hp:
+        raise ValueError(f"heads_per_program must divide the {L.kv_heads} KV heads, got {hp}")
+    _cache_write_kernel[(n, L.kv_heads // hp)](
         pool_ptr=cache.pool, res_ptr=res, k_ptr=k, v_ptr=v,
         block_rows_ptr=block_rows.to(torch.int64).contiguous(),
         block_ids_ptr=block_ids.to(torch.int64).contiguous(),
@@ -236,10 +280,11 @@ def write_blocks(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
         slot_stride=slot_stride, res_layer_off=layer * res.stride(1),
         stride_kt=k.stride(0), stride_vt=v.stride(0), R=cache.num_residual_slots * L.block_size,
         V_OFF=L.v_data_offset, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset,
-        FMT=FMT_CODES[L.kv_dtype], KVH=L.kv_heads, BS=L.block_size, D=L.head_dim,
+        FMT=fmt, KVH=L.kv_heads, BS=L.block_size, D=L.head_dim,
         HW=os.environ.get("TRITON_INTERPRET") != "1",
         STEPS=1 if {res.dtype, k.dtype, v.dtype} <= {torch.float16, torch.bfloat16} else 2,
-        num_warps=2 if FMT_E4M3 <= FMT_CODES[L.kv_dtype] <= FMT_INT8 else 4,
+        HP=hp, num_warps=num_warps,
+        enable_fp_fusion=fmt != FMT_INT4,  # int4 rounds the product before the rounding add (int4_codec._bits)
     )
 
 

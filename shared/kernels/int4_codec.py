@@ -11,13 +11,26 @@ STEP_FLOOR = tl.constexpr(5.960464477539063e-08)  # 2**-24, quant.INT4_STEP_FLOO
 
 
 @triton.jit
-def int4_code(x, m, inv):
-    """round_half_even((x - m) * inv) as uint32: adding 1.5 * 2**23 puts the integer in the low
-    mantissa bits (no F2I). No upper clamp needed: (x - m) * inv <= 15 * (1 + 2**-22) (layout.py).
-    The max with 0 is a no-op (m <= x exactly) that keeps the multiply from fusing into the add: an
-    fma would round the exact product once, quant.py rounds the product, then to an integer."""
-    y = tl.maximum((x - m) * inv, 0.0) + 12582912.0
-    return y.to(tl.uint32, bitcast=True) & 0xF
+def _bits(y):
+    """Round half-even an fp32 0 <= y < 2**22 by adding 1.5 * 2**23 (no F2I): the integer lands in the
+    low mantissa bits, bits up to 21 above it stay zero (`_pack` relies on that), 0x4B4 sits above.
+    The kernel is compiled without fp fusion (`enable_fp_fusion=False`): an fma of the product that
+    feeds y would round once where quant.py rounds the product, then to an integer."""
+    return (y + 12582912.0).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _pack(x, BITS: tl.constexpr):
+    """Codes from `_bits` (BITS = 4 or 8 wide), any shape -> 1-D little-endian words, in x's order.
+    Shift-and-add (one LEA a level) needs no masks: bits BITS..21 of every code are zero, so the
+    garbage above bit 21 never reaches bits 0..15; the last level keeps 16 bits of each half."""
+    a, b = tl.split(tl.reshape(x, (x.numel // 2, 2)))
+    x = a + (b << BITS)
+    if BITS == 4:  # nibble pairs -> 16 bits
+        a, b = tl.split(tl.reshape(x, (x.numel // 2, 2)))
+        x = a + (b << 8)
+    a, b = tl.split(tl.reshape(x, (x.numel // 2, 2)))
+    return (a & 0xFFFF) | (b << 16)
 
 
 @triton.jit
@@ -32,80 +45,108 @@ def _bf16_round(x, UP: tl.constexpr):
 
 
 @triton.jit
-def _all(x, MAX: tl.constexpr):
-    """Max (MAX) or min of a 2-D tile -> scalar."""
-    if MAX:
-        return tl.max(tl.max(x, axis=1), axis=0)
-    else:
-        return tl.min(tl.min(x, axis=1), axis=0)
+def _min2(a, b):
+    return tl.minimum(a, b)
 
 
 @triton.jit
-def _group_codes(pool_ptr, hdr_byte, lo, hi):
-    """Group minima/maxima [A, B] -> (s codes, m codes uint8 [A, B], 1 / s, m fp32 [A, B]); stores the
-    bf16 header (m_base, m_step, s_step, 0) at byte `hdr_byte`. Same operations as quant._int4_group_codes."""
-    m_base = _bf16_round(_all(lo, False), False)
-    m_step = _bf16_round(tl.maximum(tl.math.div_rn(_all(lo, True) - m_base, 255.0), STEP_FLOOR), True)
+def _max2(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _lohi(x, axis: tl.constexpr):
+    """Min and max of x over `axis` in x's own dtype (exact; tl.min/tl.max would widen fp16 to fp32
+    first, one conversion and one FMNMX per element instead of packed fp16 pairs)."""
+    return tl.reduce(x, axis, _min2), tl.reduce(x, axis, _max2)
+
+
+@triton.jit
+def _per_head(x, MAX: tl.constexpr):
+    """Max (MAX) or min of [R, HP, C] over R and C -> [1, HP, 1]."""
+    if MAX:
+        return tl.max(tl.max(x, axis=2, keep_dims=True), axis=0, keep_dims=True)
+    else:
+        return tl.min(tl.min(x, axis=2, keep_dims=True), axis=0, keep_dims=True)
+
+
+@triton.jit
+def _group_codes(pool_ptr, rec, lo, hi):
+    """Group minima/maxima [R, HP, C] fp32 of HP heads -> (s codes, m codes from `_bits` [R, HP, C],
+    1 / s, m fp32 [R, HP, C]); stores each head's bf16 header (m_base, m_step, s_step, 0) at byte
+    rec [1, HP, 1]. Same operations as quant._int4_group_codes."""
+    m_base = _bf16_round(_per_head(lo, False), False)  # [1, HP, 1]
+    m_step = _bf16_round(tl.maximum(tl.math.div_rn(_per_head(lo, True) - m_base, 255.0), STEP_FLOOR), True)
     cm = tl.minimum(tl.floor((lo - m_base) * tl.math.div_rn(1.0, m_step)), 255.0)  # >= 0: m_base <= lo
     cm = tl.where(cm * m_step + m_base > lo, cm - 1.0, cm)  # the reciprocal rounded up: m <= lo exactly
-    m = cm * m_step + m_base  # code * step is exact in fp32: an FMA rounds the same as mul + add
+    m = cm * m_step + m_base  # code * step is exact in fp32: mul + add rounds once, like an FMA
     span = hi - m
-    s_step = _bf16_round(tl.maximum(tl.math.div_rn(_all(span, True), 3825.0), STEP_FLOOR), True)
+    s_step = _bf16_round(tl.maximum(tl.math.div_rn(_per_head(span, True), 3825.0), STEP_FLOOR), True)
     cs = tl.minimum(tl.maximum(tl.ceil(span * tl.math.div_rn(1.0, s_step * 15.0)), 1.0), 255.0)
-    i = tl.arange(0, 4)
-    h = tl.where(i == 0, m_base, tl.where(i == 1, m_step, tl.where(i == 2, s_step, 0.0)))
+    i = tl.arange(0, 4)[None, None, :]
+    h = tl.where(i == 0, m_base, tl.where(i == 1, m_step, tl.where(i == 2, s_step, 0.0)))  # [1, HP, 4]
     ph = pool_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
-    tl.store(ph + hdr_byte // 2 + i, (h.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16))  # one 8-byte store
-    return cs.to(tl.uint8), cm.to(tl.uint8), tl.math.div_rn(1.0, cs * s_step), m
+    tl.store(ph + rec // 2 + i, (h.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16))  # 8 bytes a head
+    return _bits(cs), _bits(cm), tl.math.div_rn(1.0, cs * s_step), m
 
 
 @triton.jit
-def _pairs(x, BITS: tl.constexpr):
-    """[R, C] uint32 -> [R, C // 2]: element 2i | element 2i + 1 << BITS."""
-    a, b = tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
-    return a | (b << BITS)
-
-
-@triton.jit
-def _store_nibbles(pool_ptr, base, head, q, BS: tl.constexpr, D: tl.constexpr):
-    """q uint32 [BS, D] codes 0..15 -> [BS, D // 2] bytes, low nibble = even channel, stored as
-    little-endian 32-bit words [BS, D // 8]."""
-    w = _pairs(_pairs(_pairs(q, 4), 8), 16)
-    t = tl.arange(0, BS)
-    j = tl.arange(0, D // 8)
+def _store_words(pool_ptr, byte_base, head0, w, BS: tl.constexpr, ROW_WORDS: tl.constexpr):
+    """Words w [BS, HP * ROW_WORDS] (HP heads side by side) -> rows of a [KVH, BS, ROW_WORDS] region."""
+    t = tl.arange(0, BS)[:, None]
+    c = tl.arange(0, w.shape[1])[None, :]
     p32 = pool_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
-    tl.store(p32 + base // 4 + (head * BS + t)[:, None] * (D // 8) + j[None, :], w)
+    tl.store(p32 + byte_base // 4 + ((head0 + c // ROW_WORDS) * BS + t) * ROW_WORDS + c % ROW_WORDS, w)
 
 
 @triton.jit
-def store_int4_k(pool_ptr, base, krec_base, head, x, BS: tl.constexpr, D: tl.constexpr):
-    """Keys [BS, D] fp32 per channel over the block. krec_base: byte offset of the K scale region;
-    this head's record is [K header | V header | s codes [D] | m codes [D]]."""
-    rec = krec_base + head * (HEADER + 2 * D)
-    lo = tl.min(x, axis=0, keep_dims=True)  # [1, D]
-    hi = tl.max(x, axis=0, keep_dims=True)
-    cs, cm, inv, m = _group_codes(pool_ptr, rec, lo, hi)
-    _store_nibbles(pool_ptr, base, head, int4_code(x, m, inv), BS, D)
-    j = tl.arange(0, D // 4)[None, :]  # codes as 32-bit words: no byte-wise layout shuffle
-    p32 = pool_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + (rec + HEADER) // 4
-    tl.store(p32 + j, _pairs(_pairs(cs.to(tl.uint32), 8), 16))
-    tl.store(p32 + D // 4 + j, _pairs(_pairs(cm.to(tl.uint32), 8), 16))
+def store_int4_k(pool_ptr, base, krec_base, head0, xr, BS: tl.constexpr, D: tl.constexpr, HP: tl.constexpr):
+    """Keys xr [BS, HP * D] of heads head0.. (input dtype), per channel over the block. krec_base: byte
+    offset of the K scale region; each head's record is [K header | V header | s codes [D] | m codes [D]]."""
+    hh = tl.arange(0, HP)
+    rec = krec_base + (head0 + hh) * (HEADER + 2 * D)  # [HP] bytes
+    lo, hi = _lohi(xr, 0)  # [HP * D]
+    lo = tl.reshape(lo, (1, HP, D)).to(tl.float32)
+    hi = tl.reshape(hi, (1, HP, D)).to(tl.float32)
+    cs, cm, inv, m = _group_codes(pool_ptr, rec[None, :, None], lo, hi)
+    q = _bits((xr.to(tl.float32) - tl.reshape(m, (1, HP * D))) * tl.reshape(inv, (1, HP * D)))
+    _store_words(pool_ptr, base, head0, tl.reshape(_pack(q, 4), (BS, HP * D // 8)), BS, D // 8)
+    j = tl.arange(0, D // 4)[None, :]  # codes as 32-bit words
+    p32 = pool_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + ((rec + HEADER) // 4)[:, None] + j  # [HP, D // 4]
+    tl.store(p32, tl.reshape(_pack(cs, 8), (HP, D // 4)))
+    tl.store(p32 + D // 4, tl.reshape(_pack(cm, 8), (HP, D // 4)))
 
 
 @triton.jit
-def store_int4_v(pool_ptr, base, scale_base, krec_base, head, x, BS: tl.constexpr, D: tl.constexpr):
-    """Values [BS, D] fp32 per token in groups of 32 channels: codes [BS, 2, G] at scale_base, the
-    header in this head's K record (byte 8)."""
+def store_int4_v(pool_ptr, base, scale_base, krec_base, head0, xr, BS: tl.constexpr, D: tl.constexpr,
+                 HP: tl.constexpr):
+    """Values xr [HP * G, BS, 4, 8] of heads head0.. (input dtype; [g, t, j, e] = channel 32 g + 8 j + e
+    of token t, so a thread holds whole 32-channel groups), per token and group: codes [KVH, BS, 2, G]
+    at scale_base, each head's header in its K record (byte 8)."""
     G: tl.constexpr = D // 32
-    x3 = tl.reshape(x, (BS, G, 32))
-    cs, cm, inv, m = _group_codes(pool_ptr, krec_base + head * (HEADER + 2 * D) + 8,
-                                  tl.min(x3, axis=2), tl.max(x3, axis=2))  # [BS, G]
-    q = int4_code(x3, m[:, :, None], inv[:, :, None])
-    _store_nibbles(pool_ptr, base, head, tl.reshape(q, (BS, D)), BS, D)
-    codes = tl.reshape(tl.permute(tl.join(cs, cm), (0, 2, 1)), (BS, 2 * G))  # per token: s codes, m codes
-    t = tl.arange(0, BS)
-    c = tl.arange(0, 2 * G)
-    tl.store(pool_ptr + scale_base + (head * BS + t)[:, None] * (2 * G) + c[None, :], codes)
+    lo = tl.reduce(tl.reduce(xr, 3, _min2), 2, _min2)  # [HP * G, BS], exact in the input dtype
+    hi = tl.reduce(tl.reduce(xr, 3, _max2), 2, _max2)
+    lo = tl.reshape(tl.trans(lo), (BS, HP, G)).to(tl.float32)
+    hi = tl.reshape(tl.trans(hi), (BS, HP, G)).to(tl.float32)
+    hh = tl.arange(0, HP)
+    rec = krec_base + (head0 + hh) * (HEADER + 2 * D) + 8
+    cs, cm, inv, m = _group_codes(pool_ptr, rec[None, :, None], lo, hi)  # [BS, HP, G]
+    m4 = tl.trans(tl.reshape(m, (BS, HP * G)))[:, :, None, None]
+    inv4 = tl.trans(tl.reshape(inv, (BS, HP * G)))[:, :, None, None]
+    w = tl.reshape(_pack(_bits((xr.to(tl.float32) - m4) * inv4), 4), (HP * G, BS, 4))  # [g, t, j]: 8 channels
+    g = tl.arange(0, HP * G)[:, None, None]
+    t = tl.arange(0, BS)[None, :, None]
+    j = tl.arange(0, 4)[None, None, :]
+    p32 = pool_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    tl.store(p32 + base // 4 + ((head0 + g // G) * BS + t) * (D // 8) + (g % G) * 4 + j, w)
+    codes = tl.reshape(tl.permute(tl.join(cs, cm), (0, 1, 3, 2)), (BS, HP * 2 * G))  # per token: s, then m codes
+    if G % 2 == 0:
+        _store_words(pool_ptr, scale_base, head0, tl.reshape(_pack(codes, 8), (BS, HP * G // 2)), BS, G // 2)
+    else:  # 2G bytes a token is no whole number of words
+        t = tl.arange(0, BS)[:, None]
+        c = tl.arange(0, HP * 2 * G)[None, :]
+        tl.store(pool_ptr + scale_base + ((head0 + c // (2 * G)) * BS + t) * (2 * G) + c % (2 * G),
+                 codes.to(tl.uint8))
 
 
 @triton.jit
