@@ -1,5 +1,6 @@
 """The model's CPU fast paths give the same numbers as the plain ops: MKL pre-packed fp32 linears
-(`kvmesh.model.packed_linear`) at every row count (one pack serves them all), and `RMSNorm`'s
+and oneDNN pre-packed bf16 linears (`kvmesh.model.packed_linear`) at every row count (one pack
+serves them all), their fused epilogues within one bf16 rounding of the unfused ops, and `RMSNorm`'s
 composite path for prompt-sized fp32 inputs (bit-identical to `F.rms_norm`)."""
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmesh.model.llama import RMSNorm
-from kvmesh.model.packed_linear import PackedLinear, mkl_packing_works, pack_linears
+from kvmesh.model.packed_linear import (PackedBf16Linear, PackedGateUp, PackedLinear, mkl_packing_works,
+                                        onednn_bf16_packing_works, pack_linears)
 
 torch.set_num_threads(1)
 needs_mkl = pytest.mark.skipif(not mkl_packing_works(), reason="this torch build has no MKL packed GEMM")
+needs_onednn_bf16 = pytest.mark.skipif(not onednn_bf16_packing_works(),
+                                       reason="this torch build or CPU has no oneDNN bf16 GEMM")
 
 
 @needs_mkl
@@ -36,24 +40,66 @@ def test_packed_linear_matches_f_linear_at_any_row_count(n, k, bias):
 
 
 @needs_mkl
-def test_pack_linears_swaps_only_fp32_cpu_linears():
+@needs_onednn_bf16
+def test_pack_linears_swaps_fp32_and_bf16_cpu_linears():
     gen = torch.Generator().manual_seed(3)
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Sequential(nn.Linear(32, 8, bias=False)),
-                        nn.Linear(8, 4).to(torch.bfloat16))
+                        nn.Linear(8, 4).to(torch.bfloat16), nn.Linear(4, 4).to(torch.float16))
     for p in net.parameters():
         p.data.copy_(torch.randn(p.shape, generator=gen))
     x = torch.randn(5, 16, generator=gen)
     with torch.inference_mode():
         want = net[2](net[1](net[0](x)))
-        assert pack_linears(net) == 2
+        want16 = net[3](want.bfloat16())
+        assert pack_linears(net) == 3
         assert isinstance(net[0], PackedLinear) and isinstance(net[2][0], PackedLinear)
-        assert type(net[3]) is nn.Linear  # bf16 stays
-        torch.testing.assert_close(net[2](net[1](net[0](x))), want, rtol=1e-5, atol=1e-5)
+        assert isinstance(net[3], PackedBf16Linear)
+        assert type(net[4]) is nn.Linear  # fp16: no packed GEMM, stays
+        got = net[2](net[1](net[0](x)))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(net[3](want.bfloat16()), want16)
 
 
-def test_packed_linear_rejects_non_fp32_weight():
+@needs_onednn_bf16
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_bf16_linear_is_f_linear_at_any_row_count(bias):
+    gen = torch.Generator().manual_seed(17 + bias)
+    w = torch.randn(1000, 576, generator=gen).bfloat16()  # [N, K]
+    b = torch.randn(1000, generator=gen).bfloat16() if bias else None
+    lin = PackedBf16Linear(w, b)
+    for rows in (1, 2, 7, 32, 33, 300):
+        x = torch.randn(rows, 576, generator=gen).bfloat16()
+        assert torch.equal(lin(x), F.linear(x, w, b))  # the same oneDNN kernel, its weight packed once
+        other = torch.randn(rows, 1000, generator=gen).bfloat16()
+        y = F.linear(x.float(), w.float(), None if b is None else b.float())  # the fp32 accumulator
+        # fused epilogues: applied to the accumulator, one rounding to bf16 (unfused: two)
+        for got, want in ((lin.add_to(x, other), y + other.float()), (lin.mul_by(x, other), y * other.float()),
+                          (lin.silu(x), F.silu(y))):
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-2)
+    assert lin(torch.randn(2, 3, 576, generator=gen).bfloat16()).shape == (2, 3, 1000)  # leading dims kept
+    assert lin(torch.randn(0, 576).bfloat16()).shape == (0, 1000)
+
+
+@needs_onednn_bf16
+def test_packed_gate_up_is_silu_gate_times_up():
+    gen = torch.Generator().manual_seed(5)
+    inter = 1536
+    w = (torch.randn(2 * inter, 576, generator=gen) * 0.05).bfloat16()  # [2I, K] = [gate; up]
+    lin = PackedGateUp(w, inter)
+    x = torch.randn(33, 576, generator=gen).bfloat16()
+    gate, up = F.linear(x.float(), w.float()).split(inter, dim=-1)
+    torch.testing.assert_close(lin.silu_mul(x).float(), F.silu(gate) * up, rtol=2 ** -7, atol=1e-3)
+    assert torch.equal(lin(x), F.linear(x, w))  # the unfused output, for other readers
+    with pytest.raises(ValueError, match="2 \\* 1536"):
+        PackedGateUp(w[:100], inter)
+
+
+def test_packed_linears_reject_other_weight_dtypes():
     with pytest.raises(ValueError, match="float32"):
         PackedLinear(torch.zeros(4, 4, dtype=torch.bfloat16), None)
+    with pytest.raises(ValueError, match="bfloat16"):
+        PackedBf16Linear(torch.zeros(4, 4), None)
 
 
 @pytest.mark.parametrize("rows", [1, 63, 64, 2048])

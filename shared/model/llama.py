@@ -16,7 +16,8 @@ from torch import nn
 from kvmesh.kernels.backend import AttentionBackend, AttentionMetadata
 from kvmesh.kv.pool import KVCache
 from kvmesh.model.config import ModelConfig
-from kvmesh.model.packed_linear import PackedLinear, pack_linears
+from kvmesh.model.packed_linear import (PackedBf16Linear, PackedGateUp, PackedLinear, onednn_bf16_packing_works,
+                                        pack_linears)
 from kvmesh.model.rope import RotaryEmbedding
 
 
@@ -47,8 +48,9 @@ class Attention(nn.Module):
         self.scale = self.d ** -0.5
         self.key_center: torch.Tensor | None = None  # [KVH, D], see kvmesh.model.key_centers
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
+        """x: normed hidden [T, hidden] -> residual + attention output [T, hidden]."""
         T = x.shape[0]
         qkv = self.qkv_proj(x).view(T, self.h + 2 * self.kvh, self.d)  # [T, H + 2 KVH, D]
         # one rotation for q and k together (fewer kernel launches per layer)
@@ -59,7 +61,14 @@ class Attention(nn.Module):
         v = qkv[:, self.h + self.kvh:]  # [T, KVH, D]
         out = backend.attend(cache, self.layer, q, k, v, meta, self.scale)  # [T, H, D]
         backend.write(cache, self.layer, k, v, meta)
-        return self.o_proj(out.reshape(T, self.h * self.d))
+        return _add_linear(residual, self.o_proj, out.reshape(T, self.h * self.d))
+
+
+def _add_linear(residual: torch.Tensor, lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """residual + lin(x); a packed linear adds in its GEMM's epilogue (PackedLinear: the same two
+    ops, so fp32 values are unchanged)."""
+    add_to = getattr(lin, "add_to", None)
+    return residual + lin(x) if add_to is None else add_to(x, residual)
 
 
 class MLP(nn.Module):
@@ -69,9 +78,13 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """x: normed hidden [T, hidden] -> residual + MLP(x) [T, hidden]."""
+        silu_mul = getattr(self.gate_up_proj, "silu_mul", None)  # a PackedGateUp (bf16 on the CPU)
+        if silu_mul is not None:
+            return _add_linear(residual, self.down_proj, silu_mul(x))
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate).mul_(up))  # in place: one [T, I] buffer less
+        return _add_linear(residual, self.down_proj, F.silu(gate).mul_(up))  # in place: one [T, I] buffer less
 
 
 class DecoderLayer(nn.Module):
@@ -84,8 +97,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(self.input_layernorm(x), x, cos, sin, meta, cache, backend)
+        return self.mlp(self.post_attention_layernorm(x), x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -113,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits float32 [N, vocab]."""
         if self.logits_head is not None:
-            return self.logits_head(hidden)  # float32 (packing is for float32 models only)
+            return self.logits_head(hidden).float()
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, w).float()
 
@@ -129,14 +142,24 @@ class LlamaForCausalLM(nn.Module):
         return None if c[0] is None else torch.stack(c)
 
     def pack_for_cpu(self) -> bool:
-        """Pre-packs every float32 linear weight and the output head for MKL's sgemm (CPU; see
+        """Pre-packs every linear weight and the output head for the CPU GEMM library: float32 for
+        MKL's sgemm, bfloat16 for oneDNN, whose MLP also gets fused epilogues (see
         `packed_linear.py`). Call once, after the weights are loaded: later weight copies would not
-        reach the packed copies. Returns whether it packed (False: not float32 / no MKL)."""
-        if self.embed_tokens.weight.dtype != torch.float32 or self.embed_tokens.weight.device.type != "cpu":
+        reach the packed copies. Returns whether it packed (False: another dtype or device, or no
+        packed GEMM in this torch build)."""
+        w = self.embed_tokens.weight
+        if w.dtype not in (torch.float32, torch.bfloat16) or w.device.type != "cpu":
             return False
+        if w.dtype == torch.bfloat16 and onednn_bf16_packing_works():
+            for layer in self.layers:  # before pack_linears, which would pack gate_up whole
+                m = layer.mlp
+                m.gate_up_proj = PackedGateUp(m.gate_up_proj.weight, m.inter)
         if not pack_linears(self):
             return False
-        self.logits_head = self.lm_head if self.lm_head is not None else PackedLinear(self.embed_tokens.weight, None)
+        if self.lm_head is not None:
+            self.logits_head = self.lm_head
+        else:
+            self.logits_head = (PackedLinear if w.dtype == torch.float32 else PackedBf16Linear)(w, None)
         return True
 
     # -- weights --------------------------------------------------------------------------------

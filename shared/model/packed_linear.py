@@ -1,4 +1,5 @@
-"""`PackedLinear`: an fp32 linear layer whose weight is pre-packed for MKL's sgemm (CPU only).
+"""Linear layers whose weight is pre-packed once for the CPU GEMM library: `PackedLinear` (fp32,
+MKL's sgemm) and `PackedBf16Linear` (bf16, oneDNN, AMX where the CPU has it).
 
 MKL's sgemm copies the weight matrix into its own panel layout on every call. With the few rows of
 a decode step that copy is a large part of the work (measured, SmolLM2's 30 layers + output head at
@@ -12,6 +13,16 @@ at several row counts before anything is packed.
 Results: bit-identical to `F.linear` from 16 or 32 rows on (same kernel); with fewer rows MKL's plain
 path uses a different small-matrix kernel, so the two differ by fp32 rounding (~1e-6 relative).
 Memory: the packed copy sits beside the original weight, which stays for any other reader.
+
+bf16: `F.linear` hands bf16 to oneDNN, which reorders the weight into its blocked (AMX) layout on
+every call; `torch.ops.mkldnn._reorder_linear_weight` does it once and `_linear_pointwise` runs the
+GEMM (the ops inductor's CPU freezing uses). Same kernel, bit-identical to `F.linear` at every row
+count tried; SmolLM2's decode-shaped GEMMs at one thread about 1.7x faster (M = 32: qkv 0.12 ->
+0.07 ms, gate_up 0.40 -> 0.23 ms, output head 9.2 -> 5.7 ms). oneDNN also fuses an elementwise
+epilogue into the GEMM, applied to the fp32 accumulator before the one rounding to bf16: `swish`
+(silu), `add` and `mul` of another tensor (`silu`, `add_to`, `mul_by`), so the MLP and the residual
+adds cost no extra pass over the activations. These round once where the unfused ops round twice:
+they differ from them by about one bf16 ulp.
 """
 from __future__ import annotations
 
@@ -64,14 +75,108 @@ class PackedLinear(nn.Module):
         return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, rows)
 
 
+    def add_to(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """other + x Wᵀ + b (the residual add; same values as the two ops)."""
+        return other + self(x)
+
+
+@functools.lru_cache(maxsize=1)
+def onednn_bf16_packing_works() -> bool:
+    """Whether this torch build and CPU run oneDNN's packed bf16 linear, with the same values as
+    `F.linear` (a capability probe, run once per process)."""
+    ops = getattr(torch.ops, "mkldnn", None)
+    if not torch.backends.mkldnn.is_available() or ops is None:
+        return False
+    try:
+        if not ops._is_mkldnn_bf16_supported():
+            return False
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(40, 24, generator=gen).bfloat16()  # [N, K]
+        packed = ops._reorder_linear_weight(w, PACK_ROWS)
+        for m in (1, 3, 17, 64):
+            x = torch.randn(m, 24, generator=gen).bfloat16()
+            if not torch.equal(ops._linear_pointwise(x, packed, None, "none", [], ""), F.linear(x, w)):
+                return False
+    except (RuntimeError, AttributeError):  # ops missing, or the CPU lacks bf16 support
+        return False
+    return True
+
+
+PACK_ROWS = 32  # the row count oneDNN picks its weight layout for; serves any row count
+
+
+class PackedBf16Linear(nn.Module):
+    """y = x Wᵀ + b through oneDNN with a pre-packed bf16 weight. x: [..., K] bf16 -> [..., N]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+            raise ValueError(f"PackedBf16Linear needs a 2-d bfloat16 CPU weight, got {weight.dtype} "
+                             f"{tuple(weight.shape)} on {weight.device}")
+        self.weight = weight  # [N, K] (the original, for other readers)
+        self.bias = bias  # [N] or None
+        # a plain attribute, not a buffer: an MKL-DNN tensor must not enter state_dict or .to()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(x Wᵀ + b), silu in the GEMM's epilogue."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "swish", [], "")
+
+    def mul_by(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """(x Wᵀ + b) * other, other [..., N] of x's dtype."""
+        return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "mul")
+
+    def add_to(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """other + x Wᵀ + b, other [..., N] of x's dtype (the residual add)."""
+        return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "add")
+
+
+class PackedGateUp(nn.Module):
+    """The gated MLP's first half, silu(x Gᵀ) * (x Uᵀ), over a fused bf16 weight [G; U] [2I, K]:
+    two packed GEMMs, silu in the first's epilogue, * in the second's (2048 x 576 prompt rows at one
+    thread, whole MLP: 29.5 -> 12.6 ms; 32 rows 0.84 -> 0.52 ms). x: [..., K] bf16 -> [..., I]."""
+
+    def __init__(self, weight: torch.Tensor, inter: int) -> None:
+        super().__init__()
+        if weight.dim() != 2 or weight.shape[0] != 2 * inter:
+            raise ValueError(f"PackedGateUp needs a [2 * {inter}, K] weight, got {tuple(weight.shape)}")
+        self.weight = weight  # [2I, K] (the original, for other readers; row halves are views of it)
+        self.gate = PackedBf16Linear(weight[:inter], None)
+        self.up = PackedBf16Linear(weight[inter:], None)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up.mul_by(x, self.gate.silu(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The plain layer's output, [..., 2I] = cat(x Gᵀ, x Uᵀ) (for readers of the unfused form)."""
+        return torch.cat([self.gate(x), self.up(x)], dim=-1)
+
+
+def packed(lin: nn.Linear) -> nn.Module | None:
+    """The packed form of a CPU linear layer (fp32: MKL, bf16: oneDNN), or None where this torch
+    build or CPU has no packed GEMM for its dtype."""
+    w = lin.weight
+    if w.device.type != "cpu":
+        return None
+    if w.dtype == torch.float32 and mkl_packing_works():
+        return PackedLinear(w, lin.bias)
+    if w.dtype == torch.bfloat16 and onednn_bf16_packing_works():
+        return PackedBf16Linear(w, lin.bias)
+    return None
+
+
 def pack_linears(module: nn.Module) -> int:
-    """Replaces every float32 CPU `nn.Linear` under `module` by a `PackedLinear` over the same
-    parameters; returns how many it replaced (0 when MKL packing is unavailable)."""
-    if not mkl_packing_works():
-        return 0
+    """Replaces every CPU `nn.Linear` under `module` that `packed` can pack (fp32, bf16) by its
+    packed form over the same parameters; returns how many it replaced."""
     swaps = [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()
-             if type(child) is nn.Linear and child.weight.dtype == torch.float32
-             and child.weight.device.type == "cpu"]
+             if type(child) is nn.Linear]
+    n = 0
     for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child.weight, child.bias))
-    return len(swaps)
+        p = packed(child)
+        if p is not None:
+            setattr(parent, name, p)
+            n += 1
+    return n
