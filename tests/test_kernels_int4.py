@@ -1,0 +1,102 @@
+"""INT4 kernels against the torch references: the cache write (`write_blocks`, byte-exact against
+`quant.quantize_blocks`) over its heads-per-program and warp variants, and the scales-folded decode
+(`decode_int4`) against `TorchBackend.attend` on the same dequantized cache.
+
+CPU: Triton's interpreter at small shapes (GQA 1/4/8, head_dim 64/128, block 16/32, ragged contexts
+with empty, residual-only, exact-page and page + tail prefixes, random page order, page 0 unused,
+forced splits including more splits than a sequence has pages, 1/2/4 page streams). Fresh random
+data per case. Tolerance: relative L2 <= 2e-3 (int4's budget in the issue); the decode's own error
+is ~1e-3 of that (fp16 rounding of q * s and p * s), the codes themselves are exact.
+GPU (`-m gpu`): a pool past 65,536 pages (byte offsets above 2**32) at Llama-3-8B heads.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmesh.kernels.cache_write import int4_heads, write_blocks
+from kvmesh.kernels.decode_int4 import decode_int4
+from kvmesh.kernels.torch_ref import TorchBackend
+from kvmesh.kv.layout import BlockLayout
+from kvmesh.kv.pool import KVCache
+from kvmesh.kv.quant import quantize_blocks, store_blocks
+
+from test_kernels_attention import make_case, rel_l2
+
+TOL = 2e-3
+
+
+F16, F32 = torch.float16, torch.float32
+
+
+@pytest.mark.parametrize("kv_heads,head_dim,bs,warps,hp,src_dtype", [
+    (8, 128, 16, 1, 2, F16), (8, 128, 16, 1, 1, F32), (8, 64, 32, 1, 4, F32), (8, 128, 32, 2, 4, F16),
+    (8, 64, 16, 4, 8, F16), (4, 32, 16, 1, 2, F32),  # head_dim 32: one group a token, V codes as bytes
+])
+def test_write_variants_byte_exact(kv_heads, head_dim, bs, warps, hp, src_dtype):
+    # residual and new rows mixed, a -1 block, every variant of heads per program
+    g = torch.Generator().manual_seed(kv_heads * head_dim + bs + hp)
+    layout = BlockLayout(num_layers=2, kv_heads=kv_heads, head_dim=head_dim, block_size=bs, kv_dtype="int4")
+    got = KVCache(layout, 6, 2, src_dtype, "cpu")
+    got.residual.copy_((torch.randn(got.residual.shape, generator=g) * 2).to(src_dtype))
+    want = KVCache(layout, 6, 2, src_dtype, "cpu")
+    T = 2 * bs
+    k = (torch.randn(T, kv_heads, head_dim, generator=g) * 4 + torch.randn(head_dim, generator=g)).to(src_dtype)
+    v = torch.randn(T, kv_heads, head_dim, generator=g).to(src_dtype)
+    R = got.num_residual_slots * bs
+    rows = torch.randperm(R + T, generator=g)[:2 * bs].view(2, bs)
+    write_blocks(got, 1, k, v, rows, torch.tensor([4, -1]), num_warps=warps, heads_per_program=hp)  # -1 skipped
+    write_blocks(got, 0, k, v, rows, torch.tensor([4, 1]), num_warps=warps, heads_per_program=hp)
+    for layer, n in ((1, 1), (0, 2)):
+        S_k = torch.cat([got.residual[:, layer, 0].transpose(1, 2).reshape(R, kv_heads, head_dim), k])  # rows of S
+        S_v = torch.cat([got.residual[:, layer, 1].transpose(1, 2).reshape(R, kv_heads, head_dim), v])
+        store_blocks(want.layer_view(layer), torch.tensor([4, 1][:n]),
+                     quantize_blocks(S_k[rows[:n]], S_v[rows[:n]], "int4"))
+    assert torch.equal(got.pool, want.pool), f"{int((got.pool != want.pool).sum())} bytes differ"
+
+
+def test_int4_heads_per_program():
+    assert int4_heads(8, 128, 1) == 2  # 256 channels: 8 per thread of one warp
+    assert int4_heads(8, 64, 1) == 4
+    assert int4_heads(8, 128, 4) == 8
+    assert int4_heads(2, 64, 1) == 2  # capped by the KV heads
+    assert int4_heads(3, 64, 1) == 1
+
+
+def check_decode(gqa, head_dim, bs, prefix_lens, seed, case=None, **kw) -> float:
+    """decode_int4 (options kw) vs TorchBackend on a fresh make_case cache (options case)."""
+    case = case or {}
+    cache, meta, q, k, v = make_case("int4", gqa, head_dim, bs, prefix_lens, [1] * len(prefix_lens), seed=seed,
+                                     **case)
+    layer = case.get("layer", 1)
+    scale = head_dim ** -0.5
+    ref = TorchBackend().attend(cache, layer, q, k, v, meta, scale)
+    out = decode_int4(cache, layer, q, k, v, meta, scale, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    err = rel_l2(out, ref)
+    assert err <= TOL, f"gqa={gqa} D={head_dim} bs={bs} {kw}: relative L2 {err:.2e} > {TOL}"
+    return err
+
+
+@pytest.mark.parametrize("gqa,head_dim,bs", [(1, 64, 16), (4, 128, 32), (8, 64, 32), (4, 128, 16), (3, 64, 16)])
+def test_decode_int4_matches_torch(gqa, head_dim, bs):
+    # empty prefix, residual only, exact pages, pages + tail, a longer one crossing several tiles
+    check_decode(gqa, head_dim, bs, [0, bs - 3, 2 * bs, 3 * bs + 5, 9 * bs + 1], seed=gqa + head_dim + bs)
+
+
+@pytest.mark.parametrize("splits,pages", [(2, 1), (3, 2), (5, 4), (1, 1), (1, 2)])
+def test_decode_int4_splits_and_streams(splits, pages):
+    # more splits than some sequences have pages: empty splits drop out of the reduction
+    check_decode(4, 64, 16, [5, 16, 4 * 16 + 1, 11 * 16 + 7], seed=splits * 10 + pages, splits=splits, pages=pages)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gqa,head_dim,bs", [(4, 128, 16), (1, 128, 16), (8, 64, 32)])
+def test_gpu_decode_int4(gqa, head_dim, bs):
+    lens = [0, 17, 1000, 3000, 64, 2049, 511, 129]
+    on_gpu = dict(kv_heads=8, device="cuda")
+    check_decode(gqa, head_dim, bs, lens, seed=1, case=on_gpu)
+    check_decode(gqa, head_dim, bs, lens, seed=2, case=on_gpu, splits=7)
+    # pages >= 70,000 of a one-layer pool: page * page_bytes passes 2**32
+    check_decode(gqa, head_dim, bs, [4000, 20, 1600], seed=3,
+                 case=dict(on_gpu, first_page=70_000, num_layers=1, layer=0))
