@@ -42,7 +42,7 @@ def _make_importable() -> None:
 _make_importable()
 
 from kvmesh.kernels.cache_write import write_blocks  # noqa: E402
-from kvmesh.kernels.decode_attention import decode_attention, num_splits  # noqa: E402
+from kvmesh.kernels.decode_attention import decode_attention  # noqa: E402
 from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata  # noqa: E402
 from kvmesh.kernels.prefill_attention import prefill_attention  # noqa: E402
 from kvmesh.kv.layout import BlockLayout  # noqa: E402
@@ -51,6 +51,7 @@ from kvmesh.kv.pool import KVCache  # noqa: E402
 H, KVH, D, BS = 32, 8, 128, 16
 DECODE_CASES = [(64, 4096), (16, 16384), (256, 1024), (8, 32768)]
 KV_DTYPES = ["fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
+DIRECT_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8")  # served by decode_direct.py for fp16 models
 
 
 def log(*a) -> None:
@@ -158,13 +159,17 @@ def bench_decode(batch: int, ctx: int, reps: int, read_tbs: float, rows: list) -
             kn = torch.randn(batch, KVH, D, device="cuda", dtype=dt, generator=g)
             vn = torch.randn(batch, KVH, D, device="cuda", dtype=dt, generator=g)
             scale = D ** -0.5
-            splits = num_splits(batch, KVH, ctx + 1, torch.cuda.get_device_properties(0).multi_processor_count)
-            t = time_ms(lambda: decode_attention(cache, 0, q, kn, vn, meta, scale), reps)
             nbytes = n_pages * cache.layout.block_bytes + 2 * q.numel() * q.element_size()
             ideal = 16 / (8 * cache.layout.bytes_per_token / (2 * KVH * D))  # 16 / stored bits per element
-            rows.append((f"{batch}x{ctx}", f"paged {kv} (splits {splits})", t, nbytes / t / 1e9,
-                         nbytes / t / 1e9 / read_tbs, t_sdpa / t, ideal))
-            log(f"  {kv:9s} {batch}x{ctx}: {t:.3f} ms  {t_sdpa / t:.2f}x sdpa  (ideal {ideal:.2f}x, splits {splits})")
+            # the engine's path (the register-direct kernel for 8-bit pages), and the plain Triton
+            # kernel beside it where they differ
+            paths = [("", None)] + ([(" plain", False)] if kv in DIRECT_DTYPES else [])
+            for label, direct in paths:
+                t = time_ms(lambda: decode_attention(cache, 0, q, kn, vn, meta, scale, direct=direct), reps)
+                name = f"paged {kv}{' direct' if kv in DIRECT_DTYPES and direct is None else label}"
+                rows.append((f"{batch}x{ctx}", name, t, nbytes / t / 1e9, nbytes / t / 1e9 / read_tbs,
+                             t_sdpa / t, ideal))
+                log(f"  {name:24s} {batch}x{ctx}: {t:.3f} ms  {t_sdpa / t:.2f}x sdpa  (ideal {ideal:.2f}x)")
             del cache
         except Exception:  # one failed dtype costs one row
             log(f"  {kv} {batch}x{ctx} FAILED:\n{traceback.format_exc()}")

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvmesh.kernels.decode_attention import decode_attention, num_splits, resident_programs
+from kvmesh.kernels.decode_direct import decode_direct
 from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata
 from kvmesh.kernels.prefill_attention import prefill_attention
 from kvmesh.kernels.torch_ref import TorchBackend
@@ -31,11 +32,11 @@ MODEL_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 def make_case(kv: str, gqa: int, head_dim: int, bs: int, prefix_lens: list[int], num_new: list[int],
               *, kv_heads: int = 2, num_layers: int = 2, layer: int = 1, device: str = "cpu",
-              first_page: int = 1, spare_pages: int = 3, seed: int = 0):
+              first_page: int = 1, spare_pages: int = 3, seed: int = 0, model_dtype: torch.dtype | None = None):
     """A cache with random quantized pages in random order and random residual tails, the metadata
     of one step, and q/k/v for its new tokens. Pages come from [first_page, first_page + needed)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    model_dtype = MODEL_DTYPE.get(kv, torch.float32)
+    model_dtype = model_dtype or MODEL_DTYPE.get(kv, torch.float32)
     layout = BlockLayout(num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim, block_size=bs, kv_dtype=kv)
     need = sum(-(-(p + n) // bs) for p, n in zip(prefix_lens, num_new))
     n_pages = first_page + need + spare_pages
@@ -165,3 +166,28 @@ def test_gpu_pool_past_65536_pages(kv):
           device="cuda", first_page=70_000)
     check(kv, 4, 128, 16, [300, 1000], [200, 64], kv_heads=8, num_layers=1, layer=0,
           device="cuda", first_page=70_000)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("gqa,head_dim,bs", [(1, 128, 16), (4, 128, 16), (8, 64, 32), (3, 64, 16), (7, 128, 32)])
+def test_gpu_direct_decode(kv, gqa, head_dim, bs):
+    # the register-direct Gluon kernel (fp16 models): ragged contexts (none, residual only, exact
+    # pages, pages + tail, long), its own split count, one split and more splits than some have pages
+    lens = [0, 17, 1000, 3000, 64, 2049, 511, 129, bs - 1, bs]
+    for splits in (None, 1, 7):
+        check(kv, gqa, head_dim, bs, lens, [1] * len(lens), kv_heads=8, device="cuda", num_layers=2,
+              model_dtype=torch.float16, seed=splits or 0,
+              attend=lambda *a: decode_attention(*a, splits=splits, direct=True))
+    for trans, prefetch in ((False, False), (False, True), (True, False), (True, True)):
+        check(kv, gqa, head_dim, bs, lens, [1] * len(lens), kv_heads=8, device="cuda", num_layers=2,
+              model_dtype=torch.float16, seed=3,
+              attend=lambda *a: decode_direct(*a, splits=3, trans=trans, prefetch=prefetch))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "int8"])
+def test_gpu_direct_pool_past_65536_pages(kv):
+    check(kv, 4, 128, 16, [4000, 20, 1600], [1, 1, 1], kv_heads=8, num_layers=1, layer=0, device="cuda",
+          first_page=70_000, model_dtype=torch.float16,
+          attend=lambda *a: decode_attention(*a, direct=True))

@@ -18,7 +18,6 @@ Decode is memory-bound, so what matters is bytes in flight and whole waves:
 """
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 
@@ -26,19 +25,16 @@ import torch
 import triton
 import triton.language as tl
 
+from kvmesh.kernels import decode_direct
 from kvmesh.kernels.backend import AttentionMetadata
 from kvmesh.kernels.formats import (FMT_BF16, FMT_CODES, FMT_E4M3, FMT_E5M2, FMT_FP16, FMT_FP32,
                                     FMT_INT4, FMT_INT8)
+from kvmesh.kernels.splits import launch_split, num_sms, num_splits, resident_of
+from kvmesh.kernels.splits import resident_programs  # noqa: F401 (re-exported for callers)
 from kvmesh.kernels.paged_attention import (LOG2E, _cast_out, _check, _dot, _dot_dtype, _load_page_tile,
-                                            _softmax_step, _unit, reduce_splits_kernel)
+                                            _softmax_step, _unit)
 from kvmesh.kv.pool import KVCache
 
-NUM_SMS_DEFAULT = 132  # H200; the real count is read from the device when there is one
-RESIDENT_DEFAULT = 4  # programs per SM assumed where the compiled kernel cannot be inspected
-MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism
-PROGRAM_COST_TOKENS = 128  # a program's fixed cost (prologue, tail, partial write) in tokens read
-MAX_SPLITS = 64
-REGS_PER_SM = 65536
 
 
 @dataclass(frozen=True)
@@ -262,76 +258,23 @@ def _split_step(acc_e, acc_o, m_i, l_i, s, ks, ve, vo, vs, valid, qk_scale, DOT:
     return acc_e, acc_o, m_new, l_i
 
 
-def num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int,
-               resident_per_sm: int = RESIDENT_DEFAULT, block_n: int = 64) -> int:
-    """Splits per (sequence, KV head), from shapes only. Programs move equal bytes, so the time is
-    waves (programs / programs resident at once, rounded up) x one program's time (its tokens plus a
-    fixed cost worth PROGRAM_COST_TOKENS): e.g. 16 x 8 programs on 132 SMs x 4 want 4 splits (one
-    full wave), not 5 (a second wave 20 % full); 64 x 8 want none."""
-    base = batch * kv_heads
-    capacity = max(1, num_sms * resident_per_sm)
-    cap = max(1, min(MAX_SPLITS, max_context // max(MIN_TOKENS_PER_SPLIT, block_n)))
-
-    def cost(s: int) -> float:
-        return -(-base * s // capacity) * (max_context / s + PROGRAM_COST_TOKENS)
-    return min(range(1, cap + 1), key=lambda s: (cost(s), s))
-
-
-def resident_programs(n_regs: int, shared: int, num_warps: int, smem_per_sm: int) -> int:
-    """Programs of a compiled kernel that fit on one SM at once (registers are allocated per warp in
-    units of 256, each program reserves 1 KB of shared memory beside its own)."""
-    regs_per_warp = -(-n_regs * 32 // 256) * 256
-    by_regs = REGS_PER_SM // max(1, regs_per_warp * num_warps)
-    by_smem = smem_per_sm // (shared + 1024)
-    by_threads = 2048 // (32 * num_warps)
-    return max(1, min(by_regs, by_smem, by_threads, 32))
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return NUM_SMS_DEFAULT
-
-
-class _Residency:
-    """Programs per SM of each compiled decode variant, read once from its registers and shared
-    memory (a variant is compiled before its first launch anyway)."""
-
-    def __init__(self) -> None:
-        self._by_key: dict[tuple, int] = {}
-
-    def get(self, key: tuple, device: torch.device, compile_variant) -> int:
-        if key not in self._by_key:
-            n = RESIDENT_DEFAULT
-            if device.type == "cuda":
-                try:
-                    kernel = compile_variant()
-                    kernel._init_handles()
-                    props = torch.cuda.get_device_properties(device)
-                    n = resident_programs(kernel.n_regs, kernel.metadata.shared, kernel.metadata.num_warps,
-                                          props.shared_memory_per_multiprocessor)
-                except Exception as e:  # an unknown Triton version: keep the default, say so once
-                    logging.getLogger(__name__).warning("decode residency probe failed (%s: %s); assuming %d "
-                                                        "programs per SM", type(e).__name__, e, n)
-            self._by_key[key] = n
-        return self._by_key[key]
-
-
-_RESIDENCY = _Residency()
-
-
 def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      meta: AttentionMetadata, scale: float, *, splits: int | None = None,
                      block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                      programs_per_sm: int = 0, native_cvt: bool | None = None,
                      split_codes: int | None = None, block_h: int | None = None,
-                     maxnreg: int | None = None) -> torch.Tensor:
+                     maxnreg: int | None = None, direct: bool | None = None) -> torch.Tensor:
     """out [B, H, D] for q [B, H, D] (one new token per sequence, k/v [B, KVH, D] its new K/V).
     None takes the format's entry in TILES. `native_cvt` converts fp8/int8 with the hardware
     instructions instead of bit operations; `split_codes` reads 8-bit codes as 32-bit words decoded
     into even/odd channel halves (1: K and V, 2: V only); `programs_per_sm` replaces the residency
     read from the compiled kernel in the split count; `block_h` sets the query rows of a program
-    (G padded to 16, or G itself where Triton pads the dot); `maxnreg` caps registers per thread."""
+    (G padded to 16, or G itself where Triton pads the dot); `maxnreg` caps registers per thread.
+    8-bit pages go to the register-direct Gluon kernel (`decode_direct.py`) where it serves the case
+    (`direct=None`); `direct=False` forces this kernel, `direct=True` requires the other."""
+    if FMT_CODES[cache.layout.kv_dtype] == FMT_INT4:  # scales folded out of the tiles (decode_int4.py)
+        from kvmesh.kernels.decode_int4 import decode_int4  # imports this module
+        return decode_int4(cache, layer, q, k, v, meta, scale, splits=splits, programs_per_sm=programs_per_sm)
     if meta.max_query_len != 1 or q.shape[0] != meta.num_seqs:
         raise ValueError(f"decode needs one new token per sequence: max_query_len={meta.max_query_len}, "
                          f"T={q.shape[0]}, B={meta.num_seqs}")
@@ -340,6 +283,12 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
     B, H, D = q.shape
     G = H // L.kv_heads
     fmt = FMT_CODES[L.kv_dtype]
+    if direct is not False:
+        if decode_direct.supports(fmt, q, cache.residual.dtype, G, D, L.block_size) and k.dtype == q.dtype:
+            return decode_direct.decode_direct(cache, layer, q, k, v, meta, scale, splits=splits, maxnreg=maxnreg)
+        if direct:
+            raise ValueError(f"the direct decode kernel does not serve kv {L.kv_dtype}, q {q.dtype}, G={G}, "
+                             f"D={D}, block size {L.block_size} here")
     tiles = TILES[fmt]
     block_n = block_n or max(tiles.block_n, L.block_size)
     if block_h is None:
@@ -370,25 +319,6 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
         ASM=bool(native_cvt and os.environ.get("TRITON_INTERPRET") != "1"),  # no inline PTX there
         num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
     if splits is None:
-        if programs_per_sm:
-            resident = programs_per_sm
-        else:  # the partial-writing variant is the one that runs whenever splitting pays
-            key = tuple(v for n, v in args.items() if n.isupper() or n.startswith(("num_", "max"))) + (
-                q.dtype, q.device)
-            one = torch.empty(1, dtype=torch.float32, device=q.device)  # warmup wraps only positional dtypes
-            resident = _RESIDENCY.get(key, q.device, lambda: decode_kernel.warmup(
-                **args, part_out_ptr=one, part_lse_ptr=one, num_splits=2, PARTIAL=True, grid=(1,)))
-        splits = num_splits(B, L.kv_heads, meta.max_prefix_len + 1, _num_sms(q.device), resident, block_n)
-    if splits > 1:
-        part_out = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_lse = out  # unused
-    decode_kernel[(B, L.kv_heads, splits)](**args, part_out_ptr=part_out, part_lse_ptr=part_lse,
-                                           num_splits=splits, PARTIAL=splits > 1)
-    if splits > 1:
-        reduce_splits_kernel[(B, H)](
-            part_out_ptr=part_out, part_lse_ptr=part_lse, out_ptr=out,
-            stride_ot=out.stride(0), stride_oh=out.stride(1),
-            H=H, SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), D=D, num_warps=4)
-    return out
+        resident = programs_per_sm or resident_of("plain", decode_kernel, args, q.device)
+        splits = num_splits(B, L.kv_heads, meta.max_prefix_len + 1, num_sms(q.device), resident, block_n)
+    return launch_split(decode_kernel, out, L.kv_heads, splits, args)

@@ -1,0 +1,86 @@
+"""Register-direct decode kernel (shared/kernels/decode_direct.py) variants against the plain Triton
+decode kernel and SDPA over contiguous fp16, on the H200, in one run:
+
+    python3 benchmarks/decode_direct_sweep.py [--reps 20] [--dtypes fp8_e4m3,fp8_e5m2,int8]
+
+Same cases, data and timing as benchmarks/kernels.py (CUDA-graph replays, CUDA events, median). Each
+variant is first checked against the plain kernel on the same cache (relative L2), so a fast wrong
+variant shows as wrong. Variants: score orientation (trans: S^T = K . q^T), the loop (prefetch: the
+next chunk's loads in flight), a register cap, and the launcher's own choice (no prefetch given).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+import kernels as kb  # benchmarks/kernels.py (puts kvmesh on the path too)
+from kvmesh.kernels.decode_attention import decode_attention
+from kvmesh.kernels.decode_direct import decode_direct
+
+VARIANTS = [dict(trans=t, prefetch=p) for t, p in itertools.product((False, True), (False, True))] + [
+    dict(trans=True), dict(trans=True, prefetch=True, maxnreg=128)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--dtypes", default="fp8_e4m3,fp8_e5m2,int8")
+    ap.add_argument("--cases", default=None, help="indices into kernels.DECODE_CASES")
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    t0 = time.time()
+    cases = kb.DECODE_CASES if args.cases is None else [kb.DECODE_CASES[int(i)] for i in args.cases.split(",")]
+    rows = []
+    for batch, ctx in cases:
+        n_pages = batch * ctx // kb.BS
+        g = torch.Generator(device="cuda").manual_seed(batch * ctx)
+        k_rows = torch.randn(n_pages * kb.BS, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=g)
+        v_rows = torch.randn(n_pages * kb.BS, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=g)
+        perm = torch.randperm(n_pages, device="cuda", generator=g)
+        kc = k_rows.view(batch, ctx, kb.KVH, kb.D).transpose(1, 2).contiguous()
+        vc = v_rows.view(batch, ctx, kb.KVH, kb.D).transpose(1, 2).contiguous()
+        qs = torch.randn(batch, kb.H, 1, kb.D, device="cuda", dtype=torch.float16, generator=g)
+        t_sdpa = kb.time_ms(lambda: F.scaled_dot_product_attention(qs, kc, vc, enable_gqa=True), args.reps)
+        del kc, vc
+        kb.log(f"{batch}x{ctx}: sdpa {t_sdpa:.3f} ms ({time.time() - t0:.0f} s)")
+        q = qs[:, :, 0].contiguous()
+        kn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=g)
+        vn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=g)
+        scale = kb.D ** -0.5
+        for kv in args.dtypes.split(","):
+            cache = kb.filled_cache(kv, k_rows, v_rows, n_pages, perm)
+            meta = kb.decode_meta(batch, ctx, perm, cache.layout)
+            ideal = 16 / (8 * cache.layout.bytes_per_token / (2 * kb.KVH * kb.D))
+            ref = decode_attention(cache, 0, q, kn, vn, meta, scale, direct=False)
+            t = kb.time_ms(lambda: decode_attention(cache, 0, q, kn, vn, meta, scale, direct=False), args.reps)
+            rows.append((f"{batch}x{ctx}", kv, "plain triton", t, t_sdpa / t, ideal, 0.0))
+            kb.log(f"  {kv} plain: {t:.3f} ms {t_sdpa / t:.2f}x")
+            for var in VARIANTS:
+                name = ",".join(f"{k}={v}" for k, v in var.items())
+                try:
+                    kw, splits = dict(var), None
+                    out = decode_direct(cache, 0, q, kn, vn, meta, scale, splits=splits, **kw)
+                    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                    t = kb.time_ms(lambda: decode_direct(cache, 0, q, kn, vn, meta, scale, splits=splits, **kw),
+                                   args.reps)
+                    rows.append((f"{batch}x{ctx}", kv, name, t, t_sdpa / t, ideal, err))
+                    kb.log(f"  {kv} {name}: {t:.3f} ms {t_sdpa / t:.2f}x (err vs plain {err:.1e})")
+                except Exception:
+                    kb.log(f"  {kv} {name} FAILED:\n{traceback.format_exc()}")
+            del cache
+            torch.cuda.empty_cache()
+    print("\n| case | kv | kernel | ms | vs SDPA | ideal | rel. L2 vs plain |\n|---|---|---|---|---|---|---|")
+    for case, kv, name, t, sp, ideal, err in rows:
+        print(f"| {case} | {kv} | {name} | {t:.3f} | {sp:.2f}x | {ideal:.2f}x | {err:.1e} |")
+    print(f"total {time.time() - t0:.0f} s")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,420 @@
+"""Paged decode attention over 8-bit pages (fp8 e4m3 / e5m2, int8), with every page loaded straight
+into tensor-core operand registers (Gluon, Triton's layout-explicit dialect; GPU only).
+
+Why: the plain Triton decode kernel (`decode_attention.py`) lets the compiler choose layouts; it
+loads a tile coalesced, then moves it through shared memory into the MMA operand layout, byte by
+byte for 8-bit codes (~190 shared-memory loads and ~240 address multiplies per warp per 128-token
+tile, ~1,030 instructions in all). Halving the bytes then halves only the memory time. Here each
+thread loads exactly the bytes its MMA fragments hold, 16 bytes at a time, and converts them in
+registers: no shared memory, no barriers, ~200 instructions per 16-token page per warp.
+
+How the bytes land in the fragments (mma.m16n8k16, one warp per program, 16-token chunks):
+- S = q . K^T: K^T is the B operand [D, 16 tokens]; a thread holds, of token n = lane / 4, the
+  channel pairs {2t, 2t+1, 2t+8, 2t+9} of every 16-channel k-step (t = lane % 4). The dot does not
+  care about channel order, so logical channel k is memory channel
+      c = (D/4) t + 4 j + 2 ph + pl    for k = 16 j + 8 ph + 2 t + pl
+  and each thread's D/4 memory channels of a token are contiguous (D/4 bytes: LDG.128s). q is
+  permuted the same way once per program.
+- O^T = V^T . P^T: V^T is the A operand [D, 16 tokens]; a thread holds tokens {2t, 2t+1, 2t+8,
+  2t+9} and logical channels m = lane/4 + 8 i, mapped to memory channel c = (D/8) (lane/4) + i:
+  D/8 contiguous bytes per token. The output is un-permuted when stored.
+- P^T (the B operand, [16 tokens, 8 heads]) is the accumulator of S as it stands (rows 0-7): no
+  data moves. The G <= 8 query heads of the KV head are the rows of S (padded to 16) and the
+  columns of O^T (padded to 8).
+Those layout identities are checked at compile time (`convert_layout(..., assert_trivial=True)`).
+
+Scales: the page's (fp8) or each token's (int8) K scale multiplies the score columns; the V scale
+rides on p, times the format's largest code C (p * s * C = p * absmax stays in fp16's normal
+range), and the output is divided by C at the end. Full pages need no masks; the residual tail and
+the new token (full precision) are one more 16-token chunk, masked. Splits, partial outputs and the
+reduction are the plain kernel's (`reduce_splits_kernel`). Loads of the next chunk are issued
+before the current one is computed (registers double-buffer the pages).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvmesh.kernels.formats import FMT_E4M3, FMT_E5M2, FMT_INT8
+
+try:  # Gluon ships with Triton >= 3.5; without it (or on the CPU) the plain kernel runs
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
+
+CHUNK = 16  # tokens per MMA step (the M/K extent of one mma.m16n8k16 fragment)
+FORMATS = (FMT_E4M3, FMT_E5M2, FMT_INT8)
+CODE_MAX = {FMT_E4M3: 448.0, FMT_E5M2: 57344.0, FMT_INT8: 127.0}
+
+
+def supports(fmt: int, q: torch.Tensor, residual_dtype: torch.dtype, group: int, head_dim: int,
+             block_size: int) -> bool:
+    """Whether this kernel serves the case (else the plain Triton kernel does): 8-bit pages, an fp16
+    model (q, new K/V and residual tails in fp16), G <= 8 query heads per KV head (the rows and
+    columns of one MMA fragment), 16-token chunks, sm_89+ (the e4m3 pair conversion)."""
+    return (HAVE_GLUON and q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and fmt in FORMATS
+            and q.dtype == torch.float16 and residual_dtype == torch.float16 and 1 <= group <= 8
+            and head_dim in (64, 128, 256) and block_size % CHUNK == 0
+            and torch.cuda.get_device_capability(q.device) >= (8, 9))
+
+
+if HAVE_GLUON:
+    CHUNK_C = gl.constexpr(CHUNK)
+    MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
+    A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
+    B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
+
+    @gluon.constexpr_function
+    def k_layout(D, WORDS):
+        """[16 tokens, D memory channels] (or [16, D/4] 32-bit words with WORDS): a thread holds D/4
+        contiguous channels of tokens lane/4 and lane/4 + 8 (see the module docstring)."""
+        per = D // 16 if WORDS else D // 4  # elements per thread per token
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 1 << i] for i in range(per.bit_length() - 1)] + [[8, 0]],
+            lane_bases=[[0, per], [0, 2 * per], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[], block_bases=[], shape=[CHUNK_C, D // 4 if WORDS else D])
+
+    @gluon.constexpr_function
+    def v_layout(D, WORDS):
+        """[16 tokens, D memory channels] (or [16, D/4] words): a thread holds D/8 contiguous
+        channels (from (D/8) * (lane/4)) of tokens 2t, 2t+1, 2t+8, 2t+9."""
+        per = D // 32 if WORDS else D // 8
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 1 << i] for i in range(per.bit_length() - 1)] + [[1, 0], [8, 0]],
+            lane_bases=[[2, 0], [4, 0], [0, per], [0, 2 * per], [0, 4 * per]],
+            warp_bases=[], block_bases=[], shape=[CHUNK_C, D // 4 if WORDS else D])
+
+    @gluon.jit
+    def _k_operand(x, D: gl.constexpr):
+        """fp16 [16, D] in k_layout (memory channel order) -> K^T [D, 16] as the B operand, logical
+        channel k = 16 j + 8 ph + 2 t + pl for memory channel (D/4) t + 4 j + 2 ph + pl."""
+        x = gl.reshape(gl.permute(gl.reshape(x, [CHUNK_C, 4, D // 16, 2, 2]), [0, 2, 3, 1, 4]), [CHUNK_C, D])
+        return gl.convert_layout(gl.permute(x, [1, 0]), B_OP, assert_trivial=True)
+
+    @gluon.jit
+    def _v_operand(x, D: gl.constexpr):
+        """fp16 [16, D] in v_layout -> V^T [D, 16] as the A operand, logical channel m = g + 8 i for
+        memory channel (D/8) g + i (only registers are reordered: each pair of tokens is packed)."""
+        x = gl.reshape(gl.permute(gl.reshape(x, [CHUNK_C, 8, D // 8]), [0, 2, 1]), [CHUNK_C, D])
+        return gl.convert_layout(gl.permute(x, [1, 0]), A_OP)
+
+    @gluon.jit
+    def _pairs(w):
+        """uint32 [N, W] of fp16 pairs -> fp16 [N, 2W] (low half first); only registers are renamed."""
+        return gl.reshape(gl.join((w & 0xFFFF).to(gl.uint16), (w >> 16).to(gl.uint16)),
+                          [w.shape[0], 2 * w.shape[1]]).to(gl.float16, bitcast=True)
+
+    @gluon.jit
+    def _codes_fp16(w, FMT: gl.constexpr, OFFSET: gl.constexpr):
+        """uint32 [16, D/4] words of four 8-bit codes -> fp16 [16, D], exact and two codes per
+        instruction: e4m3 by the hardware pair conversion, e5m2 as the high byte of each half, int8
+        as fp16(0x6400 | code ^ 0x80) = code + 1152 (no integer-to-float conversion), less 1152 unless
+        OFFSET (the caller then takes 1152 x its sums out once). The pages are carried across loop
+        iterations as words: carried as bytes, each would take a register."""
+        if FMT == 3:
+            asm: gl.constexpr = """{ .reg .b16 l, h; mov.b32 {l, h}, $2;
+                cvt.rn.f16x2.e4m3x2 $0, l; cvt.rn.f16x2.e4m3x2 $1, h; }"""
+        elif FMT == 4:
+            asm: gl.constexpr = "prmt.b32 $0, $2, 0, 0x1404; prmt.b32 $1, $2, 0, 0x3424;"
+        elif OFFSET:
+            asm: gl.constexpr = """{ .reg .b32 x; xor.b32 x, $2, 0x80808080;
+                prmt.b32 $0, x, 0x64646464, 0x5140; prmt.b32 $1, x, 0x64646464, 0x7362; }"""
+        else:
+            asm: gl.constexpr = """{ .reg .b32 x, c; xor.b32 x, $2, 0x80808080; mov.b32 c, 0x64806480;
+                prmt.b32 $0, x, 0x64646464, 0x5140; prmt.b32 $1, x, 0x64646464, 0x7362;
+                sub.rn.f16x2 $0, $0, c; sub.rn.f16x2 $1, $1, c; }"""
+        lo, hi = gl.inline_asm_elementwise(asm=asm, constraints="=r,=r,r", args=[w],
+                                           dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
+        x = gl.join(gl.reshape(_pairs(lo), [w.shape[0], w.shape[1], 2]),
+                    gl.reshape(_pairs(hi), [w.shape[0], w.shape[1], 2]))  # [16, D/4, 2 (pair), 2]
+        return gl.reshape(gl.permute(x, [0, 1, 3, 2]), [w.shape[0], 4 * w.shape[1]])
+
+    # rows 0-7 of an [16, 16] accumulator (the query heads), as `_scores` leaves them
+    S8 = gl.constexpr(gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 8]],
+                                                 lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+                                                 warp_bases=[], block_bases=[], shape=[8, CHUNK_C]))
+    HEADS = gl.constexpr(gl.SliceLayout(1, S8))  # [8] per query head, where the score rows live
+    TOKENS = gl.constexpr(gl.SliceLayout(0, S8))  # [16] per token of a chunk
+
+    @gluon.jit
+    def _halves(x):
+        """[16, N] -> its rows 0-7 [8, N], where the row + 8 bit is a register bit (nothing moves)."""
+        lo, hi = gl.split(gl.permute(gl.reshape(x, [2, 8, x.shape[1]]), [1, 2, 0]))
+        return lo
+
+    @gluon.jit
+    def _scores(q_a, kt):
+        """q [16 (heads, padded), D] . K^T [D, 16] -> rows 0-7 [8, 16] fp32 (the row + 8 bit is a
+        register bit of the accumulator, so dropping rows 8-15 moves nothing)."""
+        s = mma_v2(q_a, kt, gl.zeros([16, CHUNK_C], gl.float32, layout=MMA))
+        return gl.convert_layout(_halves(s), S8, assert_trivial=True)
+
+    @gluon.jit
+    def _step(acc, m_i, l_i, s, vt, vs):
+        """One online-softmax step: s [8, 16] scaled (and masked) scores in base 2, vt the V^T A
+        operand, vs the V scale(s) times the code maximum. acc: O^T [D, 8] fp32."""
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))  # m_i starts finite: no inf - inf
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        pt = gl.convert_layout(gl.permute((p * vs).to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
+        a = gl.convert_layout(alpha, gl.SliceLayout(0, MMA))  # heads: lane / 4 -> lane % 4
+        return mma_v2(vt, pt, acc * a[None, :]), m_new, l_i
+
+    @gluon.jit
+    def _step_t(acc, m_i, l_i, psum, st, vt, vs, OFFSET: gl.constexpr):
+        """`_step` with the scores transposed: st = S^T [16 tokens, 8 heads] (the accumulator of
+        K . q^T: no padded rows, heads already where O^T keeps them, so the statistics need no
+        layout change); P^T moves to the B operand by a few warp shuffles. With OFFSET the values
+        carry +1152 (int8 codes) and psum keeps the sum of the fp16 weights they were multiplied by."""
+        m_new = gl.maximum(m_i, gl.max(st, axis=0))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(st - m_new[None, :])
+        l_i = l_i * alpha + gl.sum(p, axis=0)
+        pv = (p * vs).to(gl.float16)
+        psum = psum * alpha
+        if OFFSET:  # the weights as the MMA sees them (fp16), so 1152 x psum cancels exactly
+            psum = psum + gl.sum(pv.to(gl.float32), axis=0)
+        return mma_v2(vt, gl.convert_layout(pv, B_OP), acc * alpha[None, :]), m_new, l_i, psum
+
+    @gluon.jit
+    def _chunk(acc, m_i, l_i, psum, q_op, kcorr, kf, vf, ks, vs, qk_scale, valid, MASK: gl.constexpr,
+               TRANS: gl.constexpr, OFFSET: gl.constexpr, D: gl.constexpr):
+        """One 16-token chunk, K and V as fp16 [16, D] in memory channel order (k_layout, v_layout);
+        ks / vs: K scale(s), V scale(s) times the code maximum (scalars, or per token shaped for the
+        score orientation); valid: [16] tokens that count (MASK). OFFSET (TRANS only): the codes
+        carry +1152; kcorr [16, 8] = 1152 x each head's sum of q comes off the raw scores."""
+        vt = _v_operand(vf, D)
+        if TRANS:
+            x = gl.reshape(gl.permute(gl.reshape(kf, [CHUNK_C, 4, D // 16, 2, 2]), [0, 2, 3, 1, 4]), [CHUNK_C, D])
+            st = mma_v2(gl.convert_layout(x, A_OP), q_op, gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA))
+            if OFFSET:
+                st = st - kcorr
+            st = st * (ks * qk_scale)
+            if MASK:
+                st = gl.where(valid[:, None], st, float("-inf"))
+            return _step_t(acc, m_i, l_i, psum, st, vt, vs, OFFSET)
+        else:
+            s = _scores(q_op, _k_operand(kf, D)) * (ks * qk_scale)
+            if MASK:
+                s = gl.where(valid[None, :], s, float("-inf"))
+            acc, m_i, l_i = _step(acc, m_i, l_i, s, vt, vs)
+            return acc, m_i, l_i, psum
+
+    @gluon.jit
+    def _load_chunk(pool_ptr, bt_row, chunk, kvh, page_stride, layer_off, tk, wk, tv, wv,
+                    V_OFF: gl.constexpr, KS_OFF: gl.constexpr, VS_OFF: gl.constexpr, FMT: gl.constexpr,
+                    BS: gl.constexpr, D: gl.constexpr, TRANS: gl.constexpr):
+        """Codes (uint32 words [16, D/4], K in k_layout, V in v_layout) and scales of one 16-token
+        chunk of a page: fp32 scalars (fp8, the page's) or fp32 [1, 16] per token (int8)."""
+        CPP: gl.constexpr = BS // CHUNK_C
+        page = gl.maximum(gl.load(bt_row + chunk // CPP), 0).to(gl.int64)  # -1 (never read) -> 0
+        base = page * page_stride + layer_off
+        row0 = kvh * BS + (chunk % CPP) * CHUNK_C
+        p32 = pool_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
+        kb = gl.load(p32 + base // 4 + ((row0 + tk) * (D // 4))[:, None] + wk[None, :])
+        vb = gl.load(p32 + (base + V_OFF) // 4 + ((row0 + tv) * (D // 4))[:, None] + wv[None, :])
+        if FMT == 5 and TRANS:  # per token, along the rows of S^T
+            ps = pool_ptr.to(gl.pointer_type(gl.float16), bitcast=True)
+            r = row0 + gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, MMA))
+            ks = gl.load(ps + (base + KS_OFF) // 2 + r).to(gl.float32)[:, None]
+            vs = gl.load(ps + (base + VS_OFF) // 2 + r).to(gl.float32)[:, None]
+        elif FMT == 5:  # along the columns of S
+            ps = pool_ptr.to(gl.pointer_type(gl.float16), bitcast=True)
+            r = row0 + gl.arange(0, CHUNK_C, layout=TOKENS)
+            ks = gl.load(ps + (base + KS_OFF) // 2 + r).to(gl.float32)[None, :]
+            vs = gl.load(ps + (base + VS_OFF) // 2 + r).to(gl.float32)[None, :]
+        else:
+            ps = pool_ptr.to(gl.pointer_type(gl.float32), bitcast=True)
+            ks = gl.load(ps + (base + KS_OFF) // 4 + kvh)
+            vs = gl.load(ps + (base + VS_OFF) // 4 + kvh)
+        return kb, vb, ks, vs
+
+    @gluon.jit(do_not_specialize=["num_splits"])
+    def decode_direct_kernel(
+        q_ptr,  # fp16 [B, H, D] new queries
+        k_ptr,  # fp16 [B, KVH, D] new keys
+        v_ptr,  # fp16 [B, KVH, D] new values
+        out_ptr,  # fp16 [B, H, D] output (PARTIAL == False)
+        part_out_ptr,  # fp32 [B, H, splits, D] normalized partial outputs (PARTIAL)
+        part_lse_ptr,  # fp32 [B, H, splits] log2-sum-exp of each partial (PARTIAL)
+        pool_ptr,  # uint8 [num_pages, page_bytes]
+        res_ptr,  # fp16 [num_slots, layers, 2, KVH, BS, D] residual tails
+        prefix_lens_ptr,  # int32 [B]
+        block_tables_ptr,  # int32 [B, max_pages]
+        residual_slots_ptr,  # int32 [B]
+        stride_qb, stride_qh, stride_kb, stride_vb, stride_ob, stride_oh, stride_bt,
+        page_stride,  # bytes between pages
+        layer_off,  # layer * layer_bytes
+        slot_stride, res_layer_off,  # residual elements between slots; layer offset inside a slot
+        qk_scale,  # softmax scale * log2(e)
+        num_splits,  # programs per (sequence, KV head) along the chunks
+        g_rows,  # = G, at run time: see the q load
+        V_OFF: gl.constexpr, KS_OFF: gl.constexpr, VS_OFF: gl.constexpr, FMT: gl.constexpr,
+        KVH: gl.constexpr, G: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, PARTIAL: gl.constexpr,
+        CMAX: gl.constexpr,  # the format's largest code: V scales ride on p times it
+        PREFETCH: gl.constexpr,  # issue the next chunk's loads before computing the current one
+        TRANS: gl.constexpr,  # scores as S^T = K . q^T (tokens in the MMA rows) instead of q . K^T
+    ):
+        LK: gl.constexpr = k_layout(D, False)
+        LV: gl.constexpr = v_layout(D, False)
+        LKW: gl.constexpr = k_layout(D, True)
+        LVW: gl.constexpr = v_layout(D, True)
+        # per head of the KV group / per token of a chunk, where the score orientation keeps them
+        HL: gl.constexpr = gl.SliceLayout(0, MMA) if TRANS else HEADS
+        TL: gl.constexpr = gl.SliceLayout(1, MMA) if TRANS else TOKENS
+        b = gl.program_id(0)
+        kvh = gl.program_id(1)
+        split = gl.program_id(2)
+        prefix = gl.load(prefix_lens_ptr + b)
+        tk = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, LK))
+        ck = gl.arange(0, D, layout=gl.SliceLayout(0, LK))
+        tv = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, LV))
+        cv = gl.arange(0, D, layout=gl.SliceLayout(0, LV))
+        tkw = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, LKW))
+        wk = gl.arange(0, D // 4, layout=gl.SliceLayout(0, LKW))
+        tvw = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, LVW))
+        wv = gl.arange(0, D // 4, layout=gl.SliceLayout(0, LVW))
+
+        # q: the G query heads of this KV head, in logical channel order, once: the B operand
+        # [D, 8] of S^T (TRANS) or the A operand [16, D] of S (rows >= G padding). The mask uses G at
+        # run time: a mask the compiler can fold makes the padding constant zeros, and an MMA operand
+        # with constants in it is rebuilt by register copies at every use.
+        q = gl.load(q_ptr + b.to(gl.int64) * stride_qb + ((kvh * G + tk) * stride_qh)[:, None] + ck[None, :],
+                    mask=(tk < g_rows)[:, None], other=0.0)  # [16, D]
+        qt = _k_operand(q, D)  # [D, 16] logical channels
+        if TRANS:
+            q_op = gl.convert_layout(gl.permute(_halves(gl.permute(qt, [1, 0])), [1, 0]), B_OP)  # [D, 8]
+        else:
+            q_op = gl.convert_layout(gl.permute(qt, [1, 0]), A_OP)  # [16, D]
+        OFFSET: gl.constexpr = TRANS and FMT == 5  # int8 codes decoded as code + 1152 (see _codes_fp16)
+        kcorr = 0.0
+        if OFFSET:  # 1152 x sum of each head's q, through the same MMA as the scores: [16, 8]
+            kcorr = mma_v2(gl.full([CHUNK_C, D], 1152.0, gl.float16, layout=A_OP), q_op,
+                           gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA))
+        acc = gl.zeros([D, 8], gl.float32, layout=MMA)  # O^T, times CMAX
+        m_i = gl.full([8], -1.0e30, gl.float32, layout=HL)
+        l_i = gl.zeros([8], gl.float32, layout=HL)
+        psum = gl.zeros([8], gl.float32, layout=HL)  # OFFSET: sum of the fp16 weights on offset values
+        none = gl.full([CHUNK_C], 1, gl.int1, layout=TL)
+
+        # 1. this split's chunks of full pages
+        n_chunks = prefix // BS * (BS // CHUNK_C)
+        per_split = gl.cdiv(n_chunks, num_splits)
+        lo = split * per_split
+        hi = gl.minimum(n_chunks, lo + per_split)
+        bt_row = block_tables_ptr + b.to(gl.int64) * stride_bt
+        if PREFETCH:  # the next chunk's loads in flight during each step (carried registers)
+            kb, vb, ks, vs = _load_chunk(pool_ptr, bt_row, gl.minimum(lo, gl.maximum(n_chunks - 1, 0)), kvh,
+                                         page_stride, layer_off, tkw, wk, tvw, wv, V_OFF, KS_OFF, VS_OFF, FMT,
+                                         BS, D, TRANS)
+            for c in range(lo, hi):
+                kb_n, vb_n, ks_n, vs_n = _load_chunk(pool_ptr, bt_row, gl.minimum(c + 1, hi - 1), kvh, page_stride,
+                                                     layer_off, tkw, wk, tvw, wv, V_OFF, KS_OFF, VS_OFF, FMT, BS, D,
+                                                     TRANS)
+                acc, m_i, l_i, psum = _chunk(acc, m_i, l_i, psum, q_op, kcorr, _codes_fp16(kb, FMT, OFFSET),
+                                             _codes_fp16(vb, FMT, OFFSET), ks, vs * CMAX, qk_scale, none, False,
+                                             TRANS, OFFSET, D)
+                kb, vb, ks, vs = kb_n, vb_n, ks_n, vs_n
+        else:
+            for c in range(lo, hi):
+                kb, vb, ks, vs = _load_chunk(pool_ptr, bt_row, c, kvh, page_stride, layer_off, tkw, wk, tvw, wv,
+                                             V_OFF, KS_OFF, VS_OFF, FMT, BS, D, TRANS)
+                acc, m_i, l_i, psum = _chunk(acc, m_i, l_i, psum, q_op, kcorr, _codes_fp16(kb, FMT, OFFSET),
+                                             _codes_fp16(vb, FMT, OFFSET), ks, vs * CMAX, qk_scale, none, False,
+                                             TRANS, OFFSET, D)
+
+        # 2. the last split: residual tail (prefix % BS tokens, fp16) and the new token, masked
+        if split == num_splits - 1:
+            n_tail = prefix % BS
+            slot = gl.load(residual_slots_ptr + b).to(gl.int64)
+            res_k = res_ptr + slot * slot_stride + res_layer_off + kvh * BS * D
+            for t0 in range(0, n_tail + 1, CHUNK_C):
+                rows_k = t0 + tk
+                rows_v = t0 + tv
+                pk = gl.where((rows_k == n_tail)[:, None], k_ptr + b.to(gl.int64) * stride_kb + kvh * D + ck[None, :],
+                              res_k + (rows_k * D)[:, None] + ck[None, :])
+                pv = gl.where((rows_v == n_tail)[:, None], v_ptr + b.to(gl.int64) * stride_vb + kvh * D + cv[None, :],
+                              res_k + KVH * BS * D + (rows_v * D)[:, None] + cv[None, :])
+                kf = gl.load(pk, mask=(rows_k <= n_tail)[:, None], other=0.0)
+                vf = gl.load(pv, mask=(rows_v <= n_tail)[:, None], other=0.0)
+                valid = (t0 + gl.arange(0, CHUNK_C, layout=TL)) <= n_tail
+                acc, m_i, l_i, psum = _chunk(acc, m_i, l_i, psum, q_op, kcorr, kf, vf, 1.0, CMAX, qk_scale, valid,
+                                             True, TRANS, False, D)
+
+        # 3. normalize, back to memory channel order, store
+        if OFFSET:
+            acc = acc - 1152.0 * psum[None, :]
+        l_safe = gl.where(l_i > 0.0, l_i, 1.0)
+        o = acc * gl.convert_layout(1.0 / (l_safe * CMAX), gl.SliceLayout(0, MMA))[None, :]  # [D, 8]
+        m = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
+        h = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+        chan = (D // 8) * (m % 8) + m // 8  # memory channel of logical channel m
+        if PARTIAL:
+            ph = b.to(gl.int64) * (KVH * G) + kvh * G + h  # [8] row of [B, H]
+            gl.store(part_out_ptr + ((ph * num_splits + split) * D)[None, :] + chan[:, None], o,
+                     mask=(h < G)[None, :])
+            hh = gl.arange(0, 8, layout=HL)
+            lse = gl.where(l_i > 0.0, m_i + gl.log2(l_safe), float("-inf"))
+            gl.store(part_lse_ptr + (b.to(gl.int64) * (KVH * G) + kvh * G + hh) * num_splits + split, lse,
+                     mask=hh < G)
+        else:
+            op = out_ptr + b.to(gl.int64) * stride_ob + ((kvh * G + h) * stride_oh)[None, :] + chan[:, None]
+            gl.store(op, o.to(gl.float16), mask=(h < G)[None, :])
+
+
+PREFETCH_GAIN = 1.06  # a prefetching program runs ~6 % faster at equal waves (H200, 64 x 4096)
+
+
+def decode_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float, *,
+                  splits: int | None = None, prefetch: bool | None = None, trans: bool = True,
+                  maxnreg: int | None = None) -> torch.Tensor:
+    """out [B, H, D] fp16 for q [B, H, D] fp16 (one new token per sequence; k/v [B, KVH, D] its new
+    K/V) over 8-bit pages; `supports` must hold and the caller (`decode_attention`) has checked the
+    arguments. `trans` picks the score orientation (S^T = K . q^T), `prefetch` the loop (None: the
+    variant with fewer waves x program time, from each variant's compiled residency), `splits`
+    overrides the split count."""
+    from kvmesh.kernels.formats import FMT_CODES
+    from kvmesh.kernels.paged_attention import LOG2E
+    from kvmesh.kernels.splits import PROGRAM_COST_TOKENS, launch_split, num_sms, num_splits, resident_of
+
+    L = cache.layout
+    B, H, D = q.shape
+    G = H // L.kv_heads
+    fmt = FMT_CODES[L.kv_dtype]
+    bt = meta.block_tables
+    if bt.shape[1] == 0:  # the kernel reads entry 0 of a row even when a sequence has no pages
+        bt = torch.zeros(B, 1, dtype=torch.int32, device=q.device)
+    out = torch.empty_like(q)
+    res = cache.residual
+    args = dict(
+        q_ptr=q, k_ptr=k, v_ptr=v, out_ptr=out, pool_ptr=cache.pool, res_ptr=res,
+        prefix_lens_ptr=meta.prefix_lens, block_tables_ptr=bt, residual_slots_ptr=meta.residual_slots,
+        stride_qb=q.stride(0), stride_qh=q.stride(1), stride_kb=k.stride(0), stride_vb=v.stride(0),
+        stride_ob=out.stride(0), stride_oh=out.stride(1), stride_bt=bt.stride(0),
+        page_stride=L.block_bytes, layer_off=layer * L.layer_bytes,
+        slot_stride=res.stride(0), res_layer_off=layer * res.stride(1), qk_scale=scale * LOG2E, g_rows=G,
+        V_OFF=L.v_data_offset, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset, FMT=fmt, KVH=L.kv_heads, G=G,
+        BS=L.block_size, D=D, CMAX=CODE_MAX[fmt], TRANS=bool(trans),
+        num_warps=1, **({} if maxnreg is None else {"maxnreg": maxnreg}))
+    context = meta.max_prefix_len + 1
+    sms = num_sms(q.device)
+
+    def plan(pf: bool) -> tuple[float, int]:
+        """(estimated time in tokens, splits) of a variant: whole waves x a program's tokens."""
+        resident = resident_of("direct", decode_direct_kernel, dict(args, PREFETCH=pf), q.device)
+        n = splits or num_splits(B, L.kv_heads, context, sms, resident, CHUNK)
+        waves = -(-B * L.kv_heads * n // (sms * resident))
+        return waves * (context / n + PROGRAM_COST_TOKENS) / (PREFETCH_GAIN if pf else 1.0), n
+
+    if prefetch is None:
+        on, off = plan(True), plan(False)
+        prefetch = on[0] <= off[0]
+        splits = (on if prefetch else off)[1]
+    elif splits is None:
+        splits = plan(bool(prefetch))[1]
+    return launch_split(decode_direct_kernel, out, L.kv_heads, splits, dict(args, PREFETCH=bool(prefetch)))

@@ -1,0 +1,104 @@
+"""How many programs a decode kernel splits each sequence into (flash-decoding), from shapes only
+(no host sync, a fixed grid) and the compiled kernel's residency: programs move equal bytes, so
+time = waves x one program, and a last wave a third full costs a third of the time."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+NUM_SMS_DEFAULT = 132  # H200; the real count is read from the device when there is one
+RESIDENT_DEFAULT = 4  # programs per SM assumed where the compiled kernel cannot be inspected
+MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism
+PROGRAM_COST_TOKENS = 128  # a program's fixed cost (prologue, tail, partial write) in tokens read
+MAX_SPLITS = 64
+REGS_PER_SM = 65536
+
+
+def num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int,
+               resident_per_sm: int = RESIDENT_DEFAULT, block_n: int = 64) -> int:
+    """Splits per (sequence, KV head), from shapes only. Programs move equal bytes, so the time is
+    waves (programs / programs resident at once, rounded up) x one program's time (its tokens plus a
+    fixed cost worth PROGRAM_COST_TOKENS): e.g. 16 x 8 programs on 132 SMs x 4 want 4 splits (one
+    full wave), not 5 (a second wave 20 % full); 64 x 8 want none."""
+    base = batch * kv_heads
+    capacity = max(1, num_sms * resident_per_sm)
+    cap = max(1, min(MAX_SPLITS, max_context // max(MIN_TOKENS_PER_SPLIT, block_n)))
+
+    def cost(s: int) -> float:
+        return -(-base * s // capacity) * (max_context / s + PROGRAM_COST_TOKENS)
+    return min(range(1, cap + 1), key=lambda s: (cost(s), s))
+
+
+def resident_programs(n_regs: int, shared: int, num_warps: int, smem_per_sm: int) -> int:
+    """Programs of a compiled kernel that fit on one SM at once (registers are allocated per warp in
+    units of 256, each program reserves 1 KB of shared memory beside its own)."""
+    regs_per_warp = -(-n_regs * 32 // 256) * 256
+    by_regs = REGS_PER_SM // max(1, regs_per_warp * num_warps)
+    by_smem = smem_per_sm // (shared + 1024)
+    by_threads = 2048 // (32 * num_warps)
+    return max(1, min(by_regs, by_smem, by_threads, 32))
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return NUM_SMS_DEFAULT
+
+
+class Residency:
+    """Programs per SM of each compiled decode variant, read once from its registers and shared
+    memory (a variant is compiled before its first launch anyway)."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple, int] = {}
+
+    def get(self, key: tuple, device: torch.device, compile_variant) -> int:
+        if key not in self._by_key:
+            n = RESIDENT_DEFAULT
+            if device.type == "cuda":
+                try:
+                    kernel = compile_variant()
+                    kernel._init_handles()
+                    props = torch.cuda.get_device_properties(device)
+                    n = resident_programs(kernel.n_regs, kernel.metadata.shared, kernel.metadata.num_warps,
+                                          props.shared_memory_per_multiprocessor)
+                except Exception as e:  # an unknown Triton version: keep the default, say so once
+                    logging.getLogger(__name__).warning("decode residency probe failed (%s: %s); assuming %d "
+                                                        "programs per SM", type(e).__name__, e, n)
+            self._by_key[key] = n
+        return self._by_key[key]
+
+
+RESIDENCY = Residency()
+
+
+def resident_of(tag: str, kernel, args: dict, device: torch.device) -> int:
+    """Programs per SM of `kernel` compiled for `args` (its partial-writing variant, the one that runs
+    whenever splitting pays), read once per variant."""
+    key = (tag,) + tuple(v for n, v in args.items() if n.isupper() or n.startswith(("num_", "max"))) + (device,)
+    one = torch.empty(1, dtype=torch.float32, device=device)  # warmup wraps only positional dtypes
+    return RESIDENCY.get(key, device, lambda: kernel.warmup(**args, part_out_ptr=one, part_lse_ptr=one,
+                                                            num_splits=2, PARTIAL=True, grid=(1,)))
+
+
+def launch_split(kernel, out: torch.Tensor, kv_heads: int, splits: int, args: dict) -> torch.Tensor:
+    """Runs a decode kernel over (B, KV heads, splits) programs into out [B, H, D]; with more than one
+    split each program writes a normalized partial and its log2-sum-exp, and `reduce_splits_kernel`
+    combines them."""
+    from kvmesh.kernels.paged_attention import reduce_splits_kernel
+
+    B, H, D = out.shape
+    if splits > 1:
+        part_out = torch.empty(B, H, splits, D, dtype=torch.float32, device=out.device)
+        part_lse = torch.empty(B, H, splits, dtype=torch.float32, device=out.device)
+    else:
+        part_out = part_lse = out  # unused
+    kernel[(B, kv_heads, splits)](**args, part_out_ptr=part_out, part_lse_ptr=part_lse, num_splits=splits,
+                                  PARTIAL=splits > 1)
+    if splits > 1:
+        reduce_splits_kernel[(B, H)](
+            part_out_ptr=part_out, part_lse_ptr=part_lse, out_ptr=out,
+            stride_ot=out.stride(0), stride_oh=out.stride(1),
+            H=H, SPLITS=splits, SPLITS_P2=1 << (splits - 1).bit_length(), D=D, num_warps=4)
+    return out
