@@ -23,6 +23,8 @@ then adds the residual tail and the new token. Splits and their reduction as in 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -37,9 +39,11 @@ from kvmesh.kernels.int4_codec import HEADER
 from kvmesh.kernels.paged_attention import LOG2E, _cast_out, _check, _dot_dtype, reduce_splits_kernel
 from kvmesh.kv.pool import KVCache
 
-PAGES = 4  # page streams per program (one page each per step)
-NUM_WARPS = 4
-NUM_STAGES = 3  # Triton software pipelining of the page loads
+# Defaults from the sm_90 compile (triton 3.6): one page stream of one warp issues the fewest
+# instructions per token; benchmarks/int4_gpu_check.py times the others
+PAGES = 1  # page streams per program (one page each per step, one warp each)
+NUM_WARPS = 1
+NUM_STAGES = 2  # Triton software pipelining of the page loads
 
 
 @triton.jit
@@ -59,14 +63,30 @@ def _header(pool_ptr, byte, valid):
 
 
 @triton.jit
-def _nibbles(w, DOT: tl.constexpr):
+def _nibbles(w, DOT: tl.constexpr, ASM: tl.constexpr):
     """uint32 words [P, R, W] of 8 nibbles -> [P, R, 8W] in DOT, exact, position p of each eight holding
-    channel rev3(p): lanes (k, k + 4) of ((w >> 4k) & 0x000F000F) | 0x64006400, as fp16 1024 + n."""
+    channel rev3(p): lanes (k, k + 4) of ((w >> 4k) & 0x000F000F) | 0x64006400, as fp16 1024 + n.
+    ASM (GPU): one lop3 and one sub.f16x2 a pair, the halves taken straight from the 32-bit register
+    (Triton's own split of a word into two fp16 costs a PRMT each)."""
     M: tl.constexpr = 0x000F000F
     B: tl.constexpr = 0x64006400
+    P: tl.constexpr = w.shape[0]
+    R: tl.constexpr = w.shape[1]
+    W: tl.constexpr = w.shape[2]
+    if ASM:
+        k4 = tl.arange(0, 4)[None, None, None, :] * 4  # [1, 1, 1, 4] shift of lane pair k
+        lo, hi = tl.inline_asm_elementwise(
+            asm="""{ .reg .b32 t, c; shr.b32 t, $2, $3; mov.b32 c, 0x64006400;
+            lop3.b32 t, t, 0x000F000F, c, 0xEA; sub.rn.f16x2 t, t, c; mov.b32 {$0, $1}, t; }""",
+            constraints="=h,=h,r,r", args=[tl.broadcast_to(w[:, :, :, None], (P, R, W, 4)), k4.to(tl.uint32)],
+            dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+        # [P, R, W, k, half]: channel k + 4 half = position 2k + half: rev3 of that is not this order,
+        # so the positions are regrouped to (a, b, half) with k = a + 2b (see module docstring)
+        x = tl.reshape(tl.permute(tl.reshape(tl.join(lo, hi), (P, R, W, 2, 2, 2)), (0, 1, 2, 4, 3, 5)), (P, R, 8 * W))
+        return x.to(DOT)
     f = tl.join(tl.join((w & M) | B, ((w >> 4) & M) | B), tl.join(((w >> 8) & M) | B, ((w >> 12) & M) | B))
     h = tl.join((f & 0xFFFF).to(tl.uint16), (f >> 16).to(tl.uint16))  # [P, R, W, 2, 2, 2]
-    x = tl.reshape(h, (w.shape[0], w.shape[1], 8 * w.shape[2])).to(tl.float16, bitcast=True) - 1024.0
+    x = tl.reshape(h, (P, R, 8 * W)).to(tl.float16, bitcast=True) - 1024.0
     return x.to(DOT)
 
 
@@ -101,6 +121,7 @@ def decode_int4_kernel(
     V_OFF: tl.constexpr, KS_OFF: tl.constexpr, VS_OFF: tl.constexpr,
     KVH: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
     PAGES: tl.constexpr, PARTIAL: tl.constexpr, DOT: tl.constexpr,
+    ASM: tl.constexpr,  # GPU: the nibble decode in inline PTX (the interpreter runs none)
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -148,7 +169,7 @@ def decode_int4_kernel(
         qs = qp[None, :, :] * kcs[:, None, :]  # [P, H, D]: q * s / (256 s_step), |.| <= |q|
         qm = tl.trans(tl.dot(qn, tl.trans(kcm)))  # [P, H]: q . cm (codes exact in fp16)
         qm = k_ms[:, None] * qm + k_mb[:, None] * q_sum[None, :]
-        s = tl.dot(qs, tl.permute(_nibbles(kw, DOT), (0, 2, 1)))  # [P, H, BS]
+        s = tl.dot(qs, tl.permute(_nibbles(kw, DOT, ASM), (0, 2, 1)))  # [P, H, BS]
         s = s * (k_ss * (256.0 * qk_scale))[:, None, None] + (qm * qk_scale)[:, :, None]
         s = tl.where(pv[:, None, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=2))  # [P, H]
@@ -164,7 +185,7 @@ def decode_int4_kernel(
         vcs = tl.permute(_code(tl.load(pool_ptr + vc), tl.float32, 256), (2, 0, 1))  # [NG, P, BS] s / 256
         vcm = _code(tl.load(pool_ptr + vc + NG), DOT, 1)  # [P, BS, NG]
         ps = (p[None, :, :, :] * vcs[:, :, None, :]).to(DOT)  # [NG, P, H, BS]: batch g * P + p, warp = page
-        vt = tl.permute(tl.reshape(_nibbles(vw, DOT), (PAGES, BS, NG, 32)), (2, 0, 1, 3))  # [NG, P, BS, 32]
+        vt = tl.permute(tl.reshape(_nibbles(vw, DOT, ASM), (PAGES, BS, NG, 32)), (2, 0, 1, 3))  # [NG, P, BS, 32]
         pv_dot = tl.dot(tl.reshape(ps, (NG * PAGES, BLOCK_H, BS)), tl.reshape(vt, (NG * PAGES, BS, 32)))
         acc = acc * alpha[None, :, :, None] + tl.reshape(pv_dot, (NG, PAGES, BLOCK_H, 32)) * (
             v_ss * 256.0)[None, :, None, None]
@@ -211,12 +232,18 @@ def decode_int4_kernel(
 
 
 def decode_int4(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, scale: float, *, splits: int | None = None, pages: int = PAGES,
-                num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
+                meta: AttentionMetadata, scale: float, *, splits: int | None = None, pages: int | None = None,
+                asm: bool | None = None, num_warps: int | None = None, num_stages: int | None = None,
                 programs_per_sm: int = 0) -> torch.Tensor:
     """out [B, H, D] for q [B, H, D] over an int4 cache (one new token per sequence, k/v [B, KVH, D]
-    its new K/V). `pages`: page streams per program; `splits` None: from shapes and the compiled
-    variant's residency (decode_attention.num_splits), no host sync."""
+    its new K/V). `pages`: page streams per program; `asm`: the nibble decode in inline PTX (GPU
+    only); None takes the module defaults. `splits` None: from shapes and the compiled variant's
+    residency (num_splits), no host sync; `programs_per_sm` replaces that residency."""
+    pages = pages or PAGES
+    num_warps = num_warps or NUM_WARPS
+    num_stages = NUM_STAGES if num_stages is None else num_stages
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    asm = not interpret if asm is None else asm and not interpret
     if meta.max_query_len != 1 or q.shape[0] != meta.num_seqs:
         raise ValueError(f"decode needs one new token per sequence: max_query_len={meta.max_query_len}, "
                          f"T={q.shape[0]}, B={meta.num_seqs}")
@@ -240,7 +267,7 @@ def decode_int4(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v:
         slot_stride=res.stride(0), res_layer_off=layer * res.stride(1), qk_scale=scale * LOG2E,
         V_OFF=L.v_data_offset, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset,
         KVH=L.kv_heads, G=G, BS=L.block_size, D=D, BLOCK_H=triton.next_power_of_2(G), PAGES=pages,
-        DOT=_dot_dtype(FMT_INT4, q), num_warps=num_warps, num_stages=num_stages)
+        DOT=_dot_dtype(FMT_INT4, q), ASM=asm, num_warps=num_warps, num_stages=num_stages)
     if splits is None:
         resident = programs_per_sm
         if not resident:
