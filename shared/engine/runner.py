@@ -10,6 +10,8 @@ import torch
 
 from kvmesh.config import EngineConfig
 from kvmesh.kernels.backend import make_backend
+from kvmesh.kernels.cpu_decode import load as load_native_decode
+from kvmesh.kernels.torch_ref import TorchBackend
 from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata
 from kvmesh.kv.layout import BlockLayout, canonical_kv_dtype
 from kvmesh.kv.pool import KVCache
@@ -67,6 +69,8 @@ class ModelRunner:
         num_blocks = self._num_blocks()
         self.cache = KVCache(self.layout, num_blocks, num_residual_slots, self.dtype, self.device)
         self.backend = make_backend(cfg.attention_backend, self.device)
+        if self.device.type == "cpu" and isinstance(self.backend, TorchBackend):
+            self.backend.native = load_native_decode()  # C decode attention over the pool; None: torch
 
     @property
     def dtype_name(self) -> str:

@@ -7,7 +7,9 @@ every layer; so are the write plan and the layer's page views. Three paths:
   - decode (one new token): all such sequences at once; pages are gathered heads first
     ([KVH, G, pages * bs, D], one row copy per page and head, no transposing copy), the residual
     block likewise with the own token put at its offset (a private copy); one batched matmul per
-    part (pages, residual block), softmaxed together under an additive key mask;
+    part (pages, residual block), softmaxed together under an additive key mask; with `native`
+    set (the CPU serving path: `cpu_decode.py`) and unquantized pages, a C kernel reads the rows
+    where they lie instead (no gathers, no float32 copies);
   - a fresh prompt run (no cached prefix): one `scaled_dot_product_attention(is_causal=True)` per
     group of equal-length runs;
   - a run after a cached prefix: one SDPA per query chunk over the assembled context with an
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.kernels.backend import AttentionMetadata, WritePlan
+from kvmesh.kernels.cpu_decode import NativeDecode
 from kvmesh.kv.pool import KVCache, LayerView
 from kvmesh.kv.quant import dequantize, quantize_blocks, store_blocks
 
@@ -46,6 +49,8 @@ class _DecodePlan:
     """int64 [G]: 0..G-1..."""
     off: torch.Tensor
     """int64 [G]: ...and where each one's own token sits in its residual block (prefix % bs)."""
+    full: torch.Tensor
+    """int64 [G]: full pages of each (prefix // bs)."""
     bias: torch.Tensor
     """float32 [G, nfull * bs + bs]: 0 where a key may be attended, -inf elsewhere
     (keys: pages, then the residual block up to and including the own token)."""
@@ -106,7 +111,7 @@ def build_step_plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
                               pos - nfull * bs <= off[:, None])  # residual tail and own token
         bias = torch.zeros(allowed.shape, device=dev).masked_fill_(~allowed, float("-inf"))
         decode = _DecodePlan(rows, meta.residual_slots.long()[idx], table.flatten(), nfull,
-                             torch.arange(len(dec), device=dev), off, bias)
+                             torch.arange(len(dec), device=dev), off, full.contiguous(), bias)
     return _StepPlan(_plan_key(meta), decode, fresh, extend)
 
 
@@ -197,7 +202,9 @@ class TorchBackend:
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, native: NativeDecode | None = None) -> None:
+        # the C decode kernel (`cpu_decode.py`), where the serving path enables it; None: pure torch
+        self.native = native
         # per-step index math, reused by every layer of the step; the inputs are held so that
         # identity comparisons stay valid (an id is never reused while its object lives)
         self._plan: _StepPlan | None = None
@@ -248,6 +255,17 @@ class TorchBackend:
         G = d.slots.numel()
         if d.rows is not None:
             q, k, v = q.index_select(0, d.rows), k.index_select(0, d.rows), v.index_select(0, d.rows)
+        view = self._layer_view(cache, layer)
+        if (self.native is not None and q.device.type == "cpu" and view.k_scale is None
+                and self.native.supports(q.dtype, view.k.dtype) and cache.residual.dtype == q.dtype):
+            res = cache.residual[:, layer]  # [S, 2, KVH, bs, D]
+            o = self.native.attend(q, k, v, view.k, view.v, d.page_ids.view(G, d.nfull), d.full, res[:, 0],
+                                   res[:, 1], d.slots, d.off, scale)  # [G, H, D], straight from the pool
+            if d.rows is None:
+                out.copy_(o)
+            else:
+                out[d.rows] = o
+            return
         Q = (q.float().reshape(G, KVH, H // KVH, D) * scale).transpose(0, 1)  # [KVH, G, R, D]
         res = cache.residual[:, layer].flatten(1, 2)  # [S, 2 * KVH, bs, D]
         res = _heads_first(res, d.slots).float()  # [2 * KVH, G, bs, D], a copy
@@ -256,7 +274,7 @@ class TorchBackend:
         vr[:, d.seq, d.off] = v.float().transpose(0, 1)
         scores = torch.matmul(Q, kr.transpose(-1, -2))  # [KVH, G, R, bs]
         if d.nfull:
-            kp, vp = gather_pages(self._layer_view(cache, layer), L.kv_dtype, d.page_ids)  # [KVH, G*nfull, bs, D]
+            kp, vp = gather_pages(view, L.kv_dtype, d.page_ids)  # [KVH, G*nfull, bs, D]
             kp = kp.view(KVH, G, d.nfull * bs, D)
             vp = vp.view(KVH, G, d.nfull * bs, D)
             scores = torch.cat([torch.matmul(Q, kp.transpose(-1, -2)), scores], dim=-1)  # [KVH, G, R, Ltot]

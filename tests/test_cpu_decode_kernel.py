@@ -1,0 +1,81 @@
+"""The C decode attention kernel (`kvmesh.kernels.cpu_decode`) against `TorchBackend`'s pure-torch
+path, on fresh random caches: fp32 and bf16 pages, prefixes from 0 to several pages (block
+boundaries included), padded block tables, shuffled residual slots and pages, mixed steps where
+only some sequences decode, and the same engine greedy tokens with and without it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmesh.kernels.cpu_decode import NativeDecode, load
+from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata
+from kvmesh.kernels.torch_ref import TorchBackend
+from kvmesh.kv.layout import BlockLayout
+from kvmesh.kv.pool import KVCache
+
+torch.set_num_threads(1)
+native = load()
+pytestmark = pytest.mark.skipif(native is None, reason="no C compiler: the native kernel could not be built")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _cache(kv: str, gen: torch.Generator, kvh: int, d: int, bs: int, blocks: int = 64) -> KVCache:
+    cache = KVCache(BlockLayout(3, kvh, d, bs, kv), blocks, 12, DTYPES[kv])
+    cache.residual.copy_(torch.randn(cache.residual.shape, generator=gen))
+    for layer in range(3):
+        view = cache.layer_view(layer)
+        view.k.copy_(torch.randn(view.k.shape, generator=gen) * 2)
+        view.v.copy_(torch.randn(view.v.shape, generator=gen))
+    return cache
+
+
+@pytest.mark.parametrize("kv", ["fp32", "bf16"])
+@pytest.mark.parametrize("heads,kvh,d,bs", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 16, 16)])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_native_decode_matches_torch_path(kv, heads, kvh, d, bs, mixed):
+    gen = torch.Generator().manual_seed(heads * 31 + d + bs + mixed)
+    cache = _cache(kv, gen, kvh, d, bs)
+    pages = torch.randperm(64, generator=gen).tolist()
+    prefixes = [0, 1, bs - 1, bs, bs + 1, 3 * bs, 5 * bs + 7, 2 * bs + 3]
+    slots = torch.randperm(12, generator=gen).tolist()
+    seqs, used = [], 0
+    for i, p in enumerate(prefixes):
+        n = 5 if mixed and i in (2, 5) else 1  # a prompt chunk among the decoding sequences
+        nb = (p + n) // bs + 1
+        seqs.append(SeqSlice(prefix_len=p, num_new=n, block_table=pages[used:used + nb], residual_slot=slots[i]))
+        used += nb
+    meta = build_attention_metadata(seqs, cache.layout, cache.num_residual_slots, "cpu")
+    T = int(meta.query_start_loc[-1])
+    dt = DTYPES[kv]
+    q = torch.randn(T, heads, d, generator=gen).to(dt)
+    k = torch.randn(T, kvh, d, generator=gen).to(dt)
+    v = torch.randn(T, kvh, d, generator=gen).to(dt)
+    ref = TorchBackend().attend(cache, 1, q, k, v, meta, d ** -0.5)
+    got = TorchBackend(native).attend(cache, 1, q, k, v, meta, d ** -0.5)
+    assert got.dtype == dt and got.shape == (T, heads, d)
+    if kv == "fp32":
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    else:  # both round float32 values that differ by summation order: at most one bf16 step apart
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -7, atol=1e-3)
+
+
+def test_native_decode_scope_and_checks():
+    assert NativeDecode.supports(torch.bfloat16, torch.bfloat16) and NativeDecode.supports(torch.float32, torch.float32)
+    assert not NativeDecode.supports(torch.bfloat16, torch.float8_e4m3fn)  # quantized pages: torch path
+    assert not NativeDecode.supports(torch.float16, torch.float16)
+    gen = torch.Generator().manual_seed(1)
+    cache = _cache("fp32", gen, 2, 16, 8)
+    view = cache.layer_view(0)
+    q, kv = torch.randn(1, 2, 16), torch.randn(1, 2, 16)
+    i1 = torch.zeros(1, dtype=torch.int64)
+    res = cache.residual[:, 0]
+    with pytest.raises(ValueError, match="strides"):  # [KVH, bs, D] rows must be dense
+        native.attend(q, kv, kv, view.k.transpose(2, 3), view.v, i1.view(1, 1), i1, res[:, 0], res[:, 1], i1, i1, 0.25)
+    with pytest.raises(ValueError, match="int64"):
+        native.attend(q, kv, kv, view.k, view.v, i1.view(1, 1).int(), i1, res[:, 0], res[:, 1], i1, i1, 0.25)
+
+
+def test_native_decode_off_by_env(monkeypatch):
+    monkeypatch.setenv("KVMESH_NATIVE_DECODE", "0")
+    assert load.__wrapped__() is None
