@@ -45,7 +45,8 @@ from kvmesh.kv.quant import quantize_blocks, store_blocks  # noqa: E402
 H, KVH, D, BS = kb.H, kb.KVH, kb.D, kb.BS
 WRITE_VARIANTS = [(INT4_WARPS, None), (1, 1), (1, 2), (2, 4), (4, 8), (2, 2), (4, 4)]  # (warps, heads/program)
 DECODE_VARIANTS = {  # name -> decode_int4 options
-    "default": {}, "no-asm": dict(asm=False), "stages3": dict(num_stages=3), "stages1": dict(num_stages=1),
+    "default": {}, "no-asm": dict(asm=False), "no maxnreg": dict(maxnreg=None), "maxnreg 128": dict(maxnreg=128),
+    "stages3": dict(num_stages=3), "stages1": dict(num_stages=1),
     "2 streams": dict(pages=2, num_warps=2), "4 streams": dict(pages=4, num_warps=4),
     "4 streams st3": dict(pages=4, num_warps=4, num_stages=3),
 }

@@ -30,10 +30,7 @@ import triton
 import triton.language as tl
 
 from kvmesh.kernels.backend import AttentionMetadata
-try:  # the split policy moves out of decode_attention.py (the lead's rewrite)
-    from kvmesh.kernels.splits import RESIDENCY, num_sms, num_splits
-except ImportError:
-    from kvmesh.kernels.decode_attention import _RESIDENCY as RESIDENCY, _num_sms as num_sms, num_splits
+from kvmesh.kernels.splits import RESIDENCY, num_sms, num_splits
 from kvmesh.kernels.formats import FMT_INT4
 from kvmesh.kernels.int4_codec import HEADER
 from kvmesh.kernels.paged_attention import LOG2E, _cast_out, _check, _dot_dtype, reduce_splits_kernel
@@ -44,6 +41,7 @@ from kvmesh.kv.pool import KVCache
 PAGES = 1  # page streams per program (one page each per step, one warp each)
 NUM_WARPS = 1
 NUM_STAGES = 2  # Triton software pipelining of the page loads
+MAXNREG = 168  # 1 warp: 244 -> 168 registers without spills (8 -> 12 programs per SM), loop +7 % instructions
 
 
 @triton.jit
@@ -234,14 +232,17 @@ def decode_int4_kernel(
 def decode_int4(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, scale: float, *, splits: int | None = None, pages: int | None = None,
                 asm: bool | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                programs_per_sm: int = 0) -> torch.Tensor:
+                maxnreg: int | None = -1, programs_per_sm: int = 0) -> torch.Tensor:
     """out [B, H, D] for q [B, H, D] over an int4 cache (one new token per sequence, k/v [B, KVH, D]
     its new K/V). `pages`: page streams per program; `asm`: the nibble decode in inline PTX (GPU
-    only); None takes the module defaults. `splits` None: from shapes and the compiled variant's
+    only); `maxnreg` caps registers per thread (-1: MAXNREG for the default tile, None: no cap);
+    None takes the module defaults. `splits` None: from shapes and the compiled variant's
     residency (num_splits), no host sync; `programs_per_sm` replaces that residency."""
     pages = pages or PAGES
     num_warps = num_warps or NUM_WARPS
     num_stages = NUM_STAGES if num_stages is None else num_stages
+    if maxnreg == -1:
+        maxnreg = MAXNREG if (pages, num_warps) == (PAGES, NUM_WARPS) else None
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     asm = not interpret if asm is None else asm and not interpret
     if meta.max_query_len != 1 or q.shape[0] != meta.num_seqs:
@@ -267,7 +268,8 @@ def decode_int4(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v:
         slot_stride=res.stride(0), res_layer_off=layer * res.stride(1), qk_scale=scale * LOG2E,
         V_OFF=L.v_data_offset, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset,
         KVH=L.kv_heads, G=G, BS=L.block_size, D=D, BLOCK_H=triton.next_power_of_2(G), PAGES=pages,
-        DOT=_dot_dtype(FMT_INT4, q), ASM=asm, num_warps=num_warps, num_stages=num_stages)
+        DOT=_dot_dtype(FMT_INT4, q), ASM=asm, num_warps=num_warps, num_stages=num_stages,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}))
     if splits is None:
         resident = programs_per_sm
         if not resident:
