@@ -35,7 +35,7 @@ sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests")]
 import kernels as kb  # noqa: E402  (maps kvmesh to shared/ when needed; the timing method)
 
 from kvmesh.kernels import decode_attention as da  # noqa: E402
-from kvmesh.kernels.cache_write import INT4_WARPS, int4_heads, write_blocks  # noqa: E402
+from kvmesh.kernels.cache_write import INT4_MAXNREG, INT4_WARPS, int4_heads, write_blocks  # noqa: E402
 from kvmesh.kernels.decode_int4 import decode_int4  # noqa: E402
 from kvmesh.kernels.torch_ref import TorchBackend  # noqa: E402
 from kvmesh.kv.layout import BlockLayout  # noqa: E402
@@ -43,7 +43,8 @@ from kvmesh.kv.pool import KVCache  # noqa: E402
 from kvmesh.kv.quant import quantize_blocks, store_blocks  # noqa: E402
 
 H, KVH, D, BS = kb.H, kb.KVH, kb.D, kb.BS
-WRITE_VARIANTS = [(INT4_WARPS, None), (1, 1), (1, 2), (2, 4), (4, 8), (2, 2), (4, 4)]  # (warps, heads/program)
+WRITE_VARIANTS = [(INT4_WARPS, None, -1), (1, 2, None), (1, 1, -1), (1, 1, None), (2, 4, None), (4, 8, None),
+                  (2, 2, None), (1, 2, 128)]  # (warps, heads/program, maxnreg: -1 default, None none)
 DECODE_VARIANTS = {  # name -> decode_int4 options
     "default": {}, "no-asm": dict(asm=False), "no maxnreg": dict(maxnreg=None), "maxnreg 128": dict(maxnreg=128),
     "stages3": dict(num_stages=3), "stages1": dict(num_stages=1),
@@ -80,10 +81,11 @@ def old_decode(*args):
         da.FMT_INT4 = saved
 
 
-def variant_name(w, hp) -> str:
+def variant_name(w, hp, mr) -> str:
     hp = hp or int4_heads(KVH, D, w)
-    return f"{w} warp{'s' if w > 1 else ''}, {hp} heads/program" + (" (default)" if (w, hp) == (
-        INT4_WARPS, int4_heads(KVH, D, INT4_WARPS)) else "")
+    regs = {-1: f"maxnreg {INT4_MAXNREG}", None: "no maxnreg"}.get(mr, f"maxnreg {mr}")
+    return f"{w} warp{'s' if w > 1 else ''}, {hp} heads/program, {regs}" + (" (default)" if (w, hp, mr) == (
+        INT4_WARPS, int4_heads(KVH, D, INT4_WARPS), -1) else "")
 
 
 # ----------------------------------------------------------------------------- correctness
@@ -100,11 +102,12 @@ def check_write() -> None:
         got = KVCache(layout, n_pages, 1, dt, "cuda")
         rows = torch.arange(n * BS, device="cuda").view(n, BS) + BS  # all new rows
         ids = torch.arange(n_pages - n, n_pages, device="cuda")
-        for w, hp in WRITE_VARIANTS:
+        for w, hp, mr in WRITE_VARIANTS:
             got.pool.zero_()
-            write_blocks(got, 0, k.cuda(), v.cuda(), rows, ids, num_warps=w, heads_per_program=hp)
+            write_blocks(got, 0, k.cuda(), v.cuda(), rows, ids, num_warps=w, heads_per_program=hp, maxnreg=mr)
             diff = int((got.pool[-n:].cpu() != ref.pool).sum())
-            log(f"  write {str(dt)[6:]:8s} {variant_name(w, hp)}: {'byte-exact' if diff == 0 else f'{diff} BYTES DIFFER'}")
+            log(f"  write {str(dt)[6:]:8s} {variant_name(w, hp, mr)}: "
+                + ("byte-exact" if diff == 0 else f"{diff} BYTES DIFFER"))
     try:
         from test_kernels_cache_write import int4_hard_blocks
         k, v = int4_hard_blocks(torch.Generator().manual_seed(7))
@@ -112,13 +115,14 @@ def check_write() -> None:
         lay = BlockLayout(num_layers=1, kv_heads=h, head_dim=d, block_size=bs, kv_dtype="int4")
         ref = KVCache(lay, nb, 1, torch.float32, "cpu")
         store_blocks(ref.layer_view(0), torch.arange(nb), quantize_blocks(k, v, "int4"))
-        for w, hp in WRITE_VARIANTS:
+        for w, hp, mr in WRITE_VARIANTS:
             got = KVCache(lay, nb, 1, torch.float32, "cuda")
             write_blocks(got, 0, k.reshape(nb * bs, h, d).cuda(), v.reshape(nb * bs, h, d).cuda(),
                          torch.arange(nb * bs, device="cuda").view(nb, bs) + bs, torch.arange(nb, device="cuda"),
-                         num_warps=w, heads_per_program=min(hp or h, h))
+                         num_warps=w, heads_per_program=min(hp or h, h), maxnreg=mr)
             diff = int((got.pool.cpu() != ref.pool).sum())
-            log(f"  write hard blocks (ties) {w} warps: {'byte-exact' if diff == 0 else f'{diff} BYTES DIFFER'}")
+            log(f"  write hard blocks (ties, fp32 rows) {w} warps, maxnreg {mr}: "
+                + ("byte-exact" if diff == 0 else f"{diff} BYTES DIFFER"))
     except Exception:
         log(f"  hard blocks FAILED:\n{traceback.format_exc()}")
 
@@ -167,9 +171,9 @@ def bench_write(reps: int, copy_tbs: float) -> None:
         fns.append(("old (7cb3417)", lambda: old.write_blocks(cache, 0, k, v, rows, ids)))
     except Exception:
         log(f"  old write unavailable:\n{traceback.format_exc()}")
-    for w, hp in WRITE_VARIANTS[1:]:
-        fns.append((variant_name(w, hp), lambda w=w, hp=hp: write_blocks(cache, 0, k, v, rows, ids, num_warps=w,
-                                                                          heads_per_program=hp)))
+    for w, hp, mr in WRITE_VARIANTS:
+        fns.append((variant_name(w, hp, mr), lambda w=w, hp=hp, mr=mr: write_blocks(
+            cache, 0, k, v, rows, ids, num_warps=w, heads_per_program=hp, maxnreg=mr)))
     for name, fn in fns:
         try:
             t = kb.time_ms(fn, reps)

@@ -232,6 +232,7 @@ def _check_rows(name: str, x: torch.Tensor, L: BlockLayout) -> None:
 
 
 INT4_WARPS = 1  # int4 write: warps per program (benchmarks/int4_gpu_check.py compares 1, 2, 4)
+INT4_MAXNREG = 168  # sm_90: 254 -> 168 registers (8 -> 12 programs per SM), no spills, +10 % instructions
 
 
 def int4_heads(kv_heads: int, head_dim: int, num_warps: int) -> int:
@@ -246,10 +247,11 @@ def int4_heads(kv_heads: int, head_dim: int, num_warps: int) -> int:
 
 def write_blocks(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
                  block_rows: torch.Tensor, block_ids: torch.Tensor, *, num_warps: int | None = None,
-                 heads_per_program: int | None = None) -> None:
+                 heads_per_program: int | None = None, maxnreg: int | None = -1) -> None:
     """Quantize blocks `block_rows` [n, bs] (rows of cat(residual rows, new rows)) into pages
-    `block_ids` [n] (-1 = skip) of `layer`. k, v: [T, KVH, D] new rows. `num_warps` and
-    `heads_per_program` (int4 only) override the defaults, for benchmarks."""
+    `block_ids` [n] (-1 = skip) of `layer`. k, v: [T, KVH, D] new rows. `num_warps`,
+    `heads_per_program` and `maxnreg` (int4 only; -1: INT4_MAXNREG, None: no cap) override the
+    defaults, for benchmarks."""
     L = cache.layout
     if not 0 <= layer < L.num_layers:
         raise ValueError(f"layer must be in [0, {L.num_layers}), got {layer}")
@@ -270,6 +272,7 @@ def write_blocks(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
     if num_warps is None:
         num_warps = INT4_WARPS if fmt == FMT_INT4 else 2 if FMT_E4M3 <= fmt <= FMT_INT8 else 4
     hp = 1 if fmt != FMT_INT4 else heads_per_program or int4_heads(L.kv_heads, L.head_dim, num_warps)
+    maxnreg = (INT4_MAXNREG if maxnreg == -1 else maxnreg) if fmt == FMT_INT4 else None
     if L.kv_heads % hp:
         raise ValueError(f"heads_per_program must divide the {L.kv_heads} KV heads, got {hp}")
     _cache_write_kernel[(n, L.kv_heads // hp)](
@@ -285,6 +288,7 @@ def write_blocks(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
         STEPS=1 if {res.dtype, k.dtype, v.dtype} <= {torch.float16, torch.bfloat16} else 2,
         HP=hp, num_warps=num_warps,
         enable_fp_fusion=fmt != FMT_INT4,  # int4 rounds the product before the rounding add (int4_codec._bits)
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
 
 
