@@ -6,7 +6,7 @@ Needs `kvmesh` importable (the editable install, or benchmarks/gpu_check.sh's sh
 without either, benchmarks/kernels.py maps it itself). Prints as it goes; about 2-3 minutes.
 1. Write, byte-exact against quant.py computed on the CPU (true division): Llama-3-8B heads (KVH 8,
    D 128, bs 16) into the last 512 pages of a 70,016-page pool (byte offsets past 2**32), fp16, bf16 and
-   fp32 rows, every (warps, heads per program) variant; plus the tie-heavy blocks of
+   fp32 rows (every (warps, heads per program, register cap) variant on fp16 rows); plus the tie-heavy blocks of
    tests/test_kernels_cache_write.py (fp32 rows next to code ties: catches an fma fused into the rounding).
 2. Decode, relative L2 against TorchBackend on the same cache (int4 budget 2e-3): the four benchmark
    cases (exact pages), and ragged contexts with tails, 7 forced splits and pages >= 70,000
@@ -46,8 +46,7 @@ H, KVH, D, BS = kb.H, kb.KVH, kb.D, kb.BS
 WRITE_VARIANTS = [(INT4_WARPS, None, -1), (1, 2, None), (1, 1, -1), (1, 1, None), (2, 4, None), (4, 8, None),
                   (2, 2, None), (1, 2, 128)]  # (warps, heads/program, maxnreg: -1 default, None none)
 DECODE_VARIANTS = {  # name -> decode_int4 options
-    "default": {}, "no-asm": dict(asm=False), "no maxnreg": dict(maxnreg=None), "maxnreg 128": dict(maxnreg=128),
-    "stages3": dict(num_stages=3), "stages1": dict(num_stages=1),
+    "default": {}, "no-asm": dict(asm=False), "no maxnreg": dict(maxnreg=None), "stages3": dict(num_stages=3),
     "2 streams": dict(pages=2, num_warps=2), "4 streams": dict(pages=4, num_warps=4),
     "4 streams st3": dict(pages=4, num_warps=4, num_stages=3),
 }
@@ -102,7 +101,7 @@ def check_write() -> None:
         got = KVCache(layout, n_pages, 1, dt, "cuda")
         rows = torch.arange(n * BS, device="cuda").view(n, BS) + BS  # all new rows
         ids = torch.arange(n_pages - n, n_pages, device="cuda")
-        for w, hp, mr in WRITE_VARIANTS:
+        for w, hp, mr in WRITE_VARIANTS if dt == torch.float16 else WRITE_VARIANTS[:1]:  # compiles cost seconds
             got.pool.zero_()
             write_blocks(got, 0, k.cuda(), v.cuda(), rows, ids, num_warps=w, heads_per_program=hp, maxnreg=mr)
             diff = int((got.pool[-n:].cpu() != ref.pool).sum())
@@ -115,7 +114,7 @@ def check_write() -> None:
         lay = BlockLayout(num_layers=1, kv_heads=h, head_dim=d, block_size=bs, kv_dtype="int4")
         ref = KVCache(lay, nb, 1, torch.float32, "cpu")
         store_blocks(ref.layer_view(0), torch.arange(nb), quantize_blocks(k, v, "int4"))
-        for w, hp, mr in WRITE_VARIANTS:
+        for w, hp, mr in WRITE_VARIANTS[:2]:
             got = KVCache(lay, nb, 1, torch.float32, "cuda")
             write_blocks(got, 0, k.reshape(nb * bs, h, d).cuda(), v.reshape(nb * bs, h, d).cuda(),
                          torch.arange(nb * bs, device="cuda").view(nb, bs) + bs, torch.arange(nb, device="cuda"),
@@ -253,6 +252,9 @@ def main() -> None:
     bench_write(args.reps, copy_tbs)
     cases = kb.DECODE_CASES[:2] if args.quick else kb.DECODE_CASES
     for i, (batch, ctx) in enumerate(cases):
+        if time.time() - t0 > 200:  # the 4-minute budget: later cases dropped, said so
+            log(f"decode {batch}x{ctx} skipped: {time.time() - t0:.0f} s used")
+            continue
         log(f"decode {batch}x{ctx} ({time.time() - t0:.0f} s)")
         try:
             bench_decode(batch, ctx, args.reps, read_tbs, with_ref=True)
