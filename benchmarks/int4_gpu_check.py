@@ -43,8 +43,8 @@ from kvmesh.kv.pool import KVCache  # noqa: E402
 from kvmesh.kv.quant import quantize_blocks, store_blocks  # noqa: E402
 
 H, KVH, D, BS = kb.H, kb.KVH, kb.D, kb.BS
-WRITE_VARIANTS = [(INT4_WARPS, None, -1), (1, 2, None), (1, 1, -1), (1, 1, None), (2, 4, None), (4, 8, None),
-                  (2, 2, None), (1, 2, 128)]  # (warps, heads/program, maxnreg: -1 default, None none)
+WRITE_VARIANTS = [(INT4_WARPS, None, -1), (1, 1, None), (2, 4, None), (4, 8, None), (2, 2, None), (4, 4, None),
+                  (1, 2, 224), (1, 2, 168)]  # (warps, heads/program, maxnreg: -1 default, None none; caps spill)
 DECODE_VARIANTS = {  # name -> decode_int4 options
     "default": {}, "no-asm": dict(asm=False), "no maxnreg": dict(maxnreg=None), "stages3": dict(num_stages=3),
     "2 streams": dict(pages=2, num_warps=2), "4 streams": dict(pages=4, num_warps=4),
@@ -82,7 +82,7 @@ def old_decode(*args):
 
 def variant_name(w, hp, mr) -> str:
     hp = hp or int4_heads(KVH, D, w)
-    regs = {-1: f"maxnreg {INT4_MAXNREG}", None: "no maxnreg"}.get(mr, f"maxnreg {mr}")
+    regs = {None: "no maxnreg"}.get(INT4_MAXNREG if mr == -1 else mr, f"maxnreg {mr}")
     return f"{w} warp{'s' if w > 1 else ''}, {hp} heads/program, {regs}" + (" (default)" if (w, hp, mr) == (
         INT4_WARPS, int4_heads(KVH, D, INT4_WARPS), -1) else "")
 
