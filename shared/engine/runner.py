@@ -10,7 +10,7 @@ import torch
 
 from kvmesh.config import EngineConfig
 from kvmesh.kernels.backend import make_backend
-from kvmesh.kernels.cpu_decode import load as load_native_decode
+from kvmesh.kernels.cpu_native import load as load_native_decode
 from kvmesh.kernels.torch_ref import TorchBackend
 from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata
 from kvmesh.kv.layout import BlockLayout, canonical_kv_dtype

@@ -8,7 +8,7 @@ every layer; so are the write plan and the layer's page views. Three paths:
     ([KVH, G, pages * bs, D], one row copy per page and head, no transposing copy), the residual
     block likewise with the own token put at its offset (a private copy); one batched matmul per
     part (pages, residual block), softmaxed together under an additive key mask; with `native`
-    set (the CPU serving path: `cpu_decode.py`) and unquantized pages, a C kernel reads the rows
+    set (the CPU serving path: `cpu_native.py`) and unquantized pages, a C kernel reads the rows
     where they lie instead (no gathers, no float32 copies);
   - a fresh prompt run (no cached prefix): one `scaled_dot_product_attention(is_causal=True)` per
     group of equal-length runs;
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.kernels.backend import AttentionMetadata, WritePlan
-from kvmesh.kernels.cpu_decode import NativeDecode
+from kvmesh.kernels.cpu_native import NativeKernels
 from kvmesh.kv.pool import KVCache, LayerView
 from kvmesh.kv.quant import dequantize, quantize_blocks, store_blocks
 
@@ -202,8 +202,8 @@ class TorchBackend:
 
     name = "torch"
 
-    def __init__(self, native: NativeDecode | None = None) -> None:
-        # the C decode kernel (`cpu_decode.py`), where the serving path enables it; None: pure torch
+    def __init__(self, native: NativeKernels | None = None) -> None:
+        # the C decode kernel (`cpu_native.py`), where the serving path enables it; None: pure torch
         self.native = native
         # per-step index math, reused by every layer of the step; the inputs are held so that
         # identity comparisons stay valid (an id is never reused while its object lives)

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmesh.kernels.backend import AttentionBackend, AttentionMetadata
+from kvmesh.kernels.cpu_native import NativeKernels
+from kvmesh.kernels.cpu_native import load as load_native
 from kvmesh.kv.pool import KVCache
 from kvmesh.model.config import ModelConfig
 from kvmesh.model.packed_linear import (PackedBf16Linear, PackedGateUp, PackedLinear, onednn_bf16_packing_works,
@@ -26,8 +28,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.native: NativeKernels | None = None  # set by pack_for_cpu for bf16: the C RMSNorm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, dim]
+        if self.native is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2:
+            return self.native.rms_norm(x, self.weight, self.eps)  # F.rms_norm's numerics, one pass
         if x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] >= 64:
             # torch's fused CPU kernel is ~3x slower than these four ops on prompt-sized inputs
             # (2048 x 576: 6.4 vs 2.2 ms) and gives the same fp32 values (HF's formula)
@@ -154,6 +159,11 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers:  # before pack_linears, which would pack gate_up whole
                 m = layer.mlp
                 m.gate_up_proj = PackedGateUp(m.gate_up_proj.weight, m.inter)
+        if w.dtype == torch.bfloat16:
+            native = load_native()  # None without a C compiler: torch's rms_norm stays
+            for norm in [self.norm] + [n for layer in self.layers
+                                       for n in (layer.input_layernorm, layer.post_attention_layernorm)]:
+                norm.native = native
         if not pack_linears(self):
             return False
         if self.lm_head is not None:

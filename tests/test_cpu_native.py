@@ -1,4 +1,4 @@
-"""The C decode attention kernel (`kvmesh.kernels.cpu_decode`) against `TorchBackend`'s pure-torch
+"""The C decode attention kernel (`kvmesh.kernels.cpu_native`) against `TorchBackend`'s pure-torch
 path, on fresh random caches: fp32 and bf16 pages, prefixes from 0 to several pages (block
 boundaries included), padded block tables, shuffled residual slots and pages, mixed steps where
 only some sequences decode, and the same engine greedy tokens with and without it."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmesh.kernels.cpu_decode import NativeDecode, load
+from kvmesh.kernels.cpu_native import NativeKernels, load
 from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata
 from kvmesh.kernels.torch_ref import TorchBackend
 from kvmesh.kv.layout import BlockLayout
@@ -61,9 +61,9 @@ def test_native_decode_matches_torch_path(kv, heads, kvh, d, bs, mixed):
 
 
 def test_native_decode_scope_and_checks():
-    assert NativeDecode.supports(torch.bfloat16, torch.bfloat16) and NativeDecode.supports(torch.float32, torch.float32)
-    assert not NativeDecode.supports(torch.bfloat16, torch.float8_e4m3fn)  # quantized pages: torch path
-    assert not NativeDecode.supports(torch.float16, torch.float16)
+    assert NativeKernels.supports(torch.bfloat16, torch.bfloat16) and NativeKernels.supports(torch.float32, torch.float32)
+    assert not NativeKernels.supports(torch.bfloat16, torch.float8_e4m3fn)  # quantized pages: torch path
+    assert not NativeKernels.supports(torch.float16, torch.float16)
     gen = torch.Generator().manual_seed(1)
     cache = _cache("fp32", gen, 2, 16, 8)
     view = cache.layer_view(0)
@@ -79,3 +79,16 @@ def test_native_decode_scope_and_checks():
 def test_native_decode_off_by_env(monkeypatch):
     monkeypatch.setenv("KVMESH_NATIVE_DECODE", "0")
     assert load.__wrapped__() is None
+
+
+@pytest.mark.parametrize("rows", [1, 33, 2048])
+def test_native_rms_norm_matches_torch_rms_norm(rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 700, generator=gen) * 3).bfloat16()[:, :576]  # rows 700 apart
+    w = (torch.rand(576, generator=gen) * 2).bfloat16()
+    got = native.rms_norm(x, w, 1e-5)
+    want = torch.nn.functional.rms_norm(x.float(), (576,), w.float(), 1e-5)  # float32 inside, as ours
+    assert got.dtype == torch.bfloat16 and got.is_contiguous()
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-6)  # one rounding to bf16
+    with pytest.raises(ValueError, match="bf16"):
+        native.rms_norm(x.float(), w, 1e-5)

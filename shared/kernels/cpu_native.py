@@ -1,4 +1,5 @@
-"""`NativeDecode`: decode attention on the CPU straight from the paged pool, in a small C kernel.
+"""`NativeKernels`: the CPU serving path's small C library: decode attention straight from the
+paged pool, and a bf16 RMSNorm.
 
 Why: on the CPU, torch's decode attention over pages is bound by its copies, not its math. Per
 layer it gathers every page of every sequence into a new tensor, converts it to float32 and runs
@@ -8,7 +9,12 @@ slot, or the step's own new token), once, converts it in registers and keeps sof
 weighted sum in float32: two passes per (sequence, KV head), the R = H / KVH query heads of the
 group sharing every loaded row.
 
-Scope: one new token per sequence; unquantized KV pages (bf16 or fp32 storage, the model dtype);
+RMSNorm (bf16): torch's `rms_norm` numerics (float32 inside, one rounding to bf16 at the end;
+transformers rounds twice, before and after the weight, which measured further from the fp32
+model: SmolLM2's worst logit error 1.54 against 0.57) in one pass over the row, where torch runs
+bf16 `rms_norm` as about eight ops (2048 x 576: ~3 ms; 32 rows: ~100 us in the model).
+
+Scope of the attention kernel: one new token per sequence; unquantized KV pages (bf16 or fp32 storage, the model dtype);
 other cases stay on `TorchBackend`'s torch path. The library is compiled once per machine with the
 system C compiler (`cc`, about a second) into the kvmesh cache directory, and loaded with ctypes;
 no compiler, a failed build or KVMESH_NATIVE_DECODE=0 means no kernel (`load()` returns None) and
@@ -41,6 +47,23 @@ _SOURCE = r"""
 static inline float ld_f32(const float* p) { return *p; }
 static inline float ld_bf16(const uint16_t* p) { uint32_t u = (uint32_t)(*p) << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline void st_f32(float* p, float x) { *p = x; }
+/* exp(x) for x <= 0 (softmax after the max is taken out), ~2 ulp: 2^n * p(r), r = x - n ln2 in
+   two steps; plain arithmetic, so the loops that call it vectorize (libm's expf does not) */
+static inline float exp_neg(float x) {
+    x = x < -87.f ? -87.f : x;
+    const float n = __builtin_roundf(x * 1.44269504f);
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale; memcpy(&scale, &bits, 4);
+    return p * scale;
+}
 static inline void st_bf16(uint16_t* p, float x) {
     uint32_t u; memcpy(&u, &x, 4);
     if ((u & 0x7fffffffu) > 0x7f800000u) { *p = (uint16_t)((u >> 16) | 0x40u); return; }  /* NaN stays NaN */
@@ -52,89 +75,117 @@ static inline void st_bf16(uint16_t* p, float x) {
    q [G, H, D], knew/vnew [G, KVH, D]: contiguous. Page p of this layer: K at kp + p * page_stride,
    V at vp + p * page_stride, each [KVH, bs, D] contiguous. Residual slot s: K at rk + s * slot_stride,
    V at rv + s * slot_stride, each [KVH, bs, D]. Sequence g attends to its nfull[g] pages
-   table[g * tstride + j], then ntail[g] residual rows of slot slots[g], then its own new token. */
-#define DEFINE_KERNEL(NAME, T, LD, ST)                                                              \
-int NAME(const T* q, const T* knew, const T* vnew, const T* kp, const T* vp, int64_t page_stride,   \
+   table[g * tstride + j], then ntail[g] residual rows of slot slots[g], then its own new token.
+   DC: head_dim as a compile-time constant (64, 128: fully unrolled rows) or the runtime D. */
+#define DEFINE_KERNEL(NAME, T, LD, ST, DC)                                                          \
+static int NAME(const T* q, const T* knew, const T* vnew, const T* kp, const T* vp, int64_t page_stride, \
          const int64_t* table, int64_t tstride, const int64_t* nfull, const T* rk, const T* rv,     \
          int64_t slot_stride, const int64_t* slots, const int64_t* ntail, T* out, int64_t G,        \
-         int64_t H, int64_t KVH, int64_t bs, int64_t D, float scale) {                              \
-    const int64_t R = H / KVH;                                                                      \
+         int64_t H, int64_t KVH, int64_t bs, int64_t D_, float scale) {                             \
+    const int64_t D = DC, R = H / KVH;                                                              \
     int64_t maxlen = 0;                                                                             \
     for (int64_t g = 0; g < G; g++) {                                                               \
         int64_t n = nfull[g] * bs + ntail[g] + 1;                                                   \
         if (n > maxlen) maxlen = n;                                                                 \
     }                                                                                               \
-    float* scores = (float*)malloc(sizeof(float) * (size_t)(R * maxlen + R * D + R * D + D));      \
+    float* scores = (float*)malloc(sizeof(float) * (size_t)(R * maxlen + R * D + D + R));          \
     if (!scores) return 1;                                                                          \
     float* qf = scores + R * maxlen;                                                                \
-    float* acc = qf + R * D;                                                                        \
-    float* row = acc + R * D;                                                                       \
+    float* row = qf + R * D;                                                                        \
+    float* mx = row + D;                                                                            \
     for (int64_t g = 0; g < G; g++) {                                                               \
         const int64_t nkeys = nfull[g] * bs + ntail[g] + 1;                                         \
         for (int64_t h = 0; h < KVH; h++) {                                                         \
             for (int64_t r = 0; r < R; r++)                                                         \
                 for (int64_t d = 0; d < D; d++)                                                     \
                     qf[r * D + d] = LD(q + (g * H + h * R + r) * D + d) * scale;                    \
-            /* pass 1: scores of every key, for the R query heads of this KV head */                \
+            /* pass 1: scores of every key (pages, residual tail, own token) for the R heads */     \
+            for (int64_t r = 0; r < R; r++) mx[r] = -3.0e38f;                                       \
             int64_t t = 0;                                                                          \
-            for (int64_t j = 0; j <= nfull[g]; j++) {                                               \
+            for (int64_t j = 0; j <= nfull[g] + 1; j++) {                                           \
                 const T* base;                                                                      \
                 int64_t rows;                                                                       \
                 if (j < nfull[g]) { base = kp + table[g * tstride + j] * page_stride + h * bs * D; rows = bs; } \
-                else { base = rk + slots[g] * slot_stride + h * bs * D; rows = ntail[g]; }          \
+                else if (j == nfull[g]) { base = rk + slots[g] * slot_stride + h * bs * D; rows = ntail[g]; } \
+                else { base = knew + (g * KVH + h) * D; rows = 1; }                                 \
                 for (int64_t i = 0; i < rows; i++, t++) {                                           \
                     for (int64_t d = 0; d < D; d++) row[d] = LD(base + i * D + d);                  \
                     for (int64_t r = 0; r < R; r++) {                                               \
                         float s = 0.f;                                                              \
                         for (int64_t d = 0; d < D; d++) s += qf[r * D + d] * row[d];               \
                         scores[r * maxlen + t] = s;                                                 \
+                        mx[r] = s > mx[r] ? s : mx[r];                                              \
                     }                                                                               \
                 }                                                                                   \
             }                                                                                       \
-            for (int64_t d = 0; d < D; d++) row[d] = LD(knew + (g * KVH + h) * D + d);              \
-            for (int64_t r = 0; r < R; r++) {                                                       \
-                float s = 0.f;                                                                      \
-                for (int64_t d = 0; d < D; d++) s += qf[r * D + d] * row[d];                       \
-                scores[r * maxlen + t] = s;                                                         \
-            }                                                                                       \
-            /* softmax per query head */                                                            \
+            /* softmax, then probabilities times values, one query head at a time (its sum in     \
+               registers) */                                                                        \
             for (int64_t r = 0; r < R; r++) {                                                       \
                 float* sr = scores + r * maxlen;                                                    \
-                float m = sr[0];                                                                    \
-                for (int64_t i = 1; i < nkeys; i++) m = sr[i] > m ? sr[i] : m;                      \
+                const float m = mx[r];                                                              \
                 float sum = 0.f;                                                                    \
-                for (int64_t i = 0; i < nkeys; i++) { sr[i] = expf(sr[i] - m); sum += sr[i]; }      \
-                float inv = 1.f / sum;                                                              \
-                for (int64_t i = 0; i < nkeys; i++) sr[i] *= inv;                                   \
-            }                                                                                       \
-            /* pass 2: probabilities times values */                                                \
-            memset(acc, 0, sizeof(float) * (size_t)(R * D));                                        \
-            t = 0;                                                                                  \
-            for (int64_t j = 0; j <= nfull[g] + 1; j++) {                                           \
-                const T* base;                                                                      \
-                int64_t rows;                                                                       \
-                if (j < nfull[g]) { base = vp + table[g * tstride + j] * page_stride + h * bs * D; rows = bs; } \
-                else if (j == nfull[g]) { base = rv + slots[g] * slot_stride + h * bs * D; rows = ntail[g]; } \
-                else { base = vnew + (g * KVH + h) * D; rows = 1; }                                 \
-                for (int64_t i = 0; i < rows; i++, t++) {                                           \
-                    for (int64_t d = 0; d < D; d++) row[d] = LD(base + i * D + d);                  \
-                    for (int64_t r = 0; r < R; r++) {                                               \
-                        const float p = scores[r * maxlen + t];                                     \
-                        for (int64_t d = 0; d < D; d++) acc[r * D + d] += p * row[d];              \
+                for (int64_t i = 0; i < nkeys; i++) { sr[i] = exp_neg(sr[i] - m); sum += sr[i]; }   \
+                float acc[DC];                                                                      \
+                for (int64_t d = 0; d < D; d++) acc[d] = 0.f;                                       \
+                t = 0;                                                                              \
+                for (int64_t j = 0; j <= nfull[g] + 1; j++) {                                       \
+                    const T* base;                                                                  \
+                    int64_t rows;                                                                   \
+                    if (j < nfull[g]) { base = vp + table[g * tstride + j] * page_stride + h * bs * D; rows = bs; } \
+                    else if (j == nfull[g]) { base = rv + slots[g] * slot_stride + h * bs * D; rows = ntail[g]; } \
+                    else { base = vnew + (g * KVH + h) * D; rows = 1; }                             \
+                    for (int64_t i = 0; i < rows; i++, t++) {                                       \
+                        const float p = sr[t];                                                      \
+                        for (int64_t d = 0; d < D; d++) acc[d] += p * LD(base + i * D + d);         \
                     }                                                                               \
                 }                                                                                   \
+                const float inv = 1.f / sum;                                                        \
+                for (int64_t d = 0; d < D; d++) ST(out + (g * H + h * R + r) * D + d, acc[d] * inv); \
             }                                                                                       \
-            for (int64_t r = 0; r < R; r++)                                                         \
-                for (int64_t d = 0; d < D; d++)                                                     \
-                    ST(out + (g * H + h * R + r) * D + d, acc[r * D + d]);                          \
         }                                                                                           \
     }                                                                                               \
     free(scores);                                                                                   \
     return 0;                                                                                       \
 }
 
-DEFINE_KERNEL(kvmesh_decode_f32, float, ld_f32, st_f32)
-DEFINE_KERNEL(kvmesh_decode_bf16, uint16_t, ld_bf16, st_bf16)
+#define DEFINE_DISPATCH(NAME, T)                                                                    \
+DEFINE_KERNEL(NAME##_64, T, LD_##T, ST_##T, 64)                                                     \
+DEFINE_KERNEL(NAME##_128, T, LD_##T, ST_##T, 128)                                                   \
+DEFINE_KERNEL(NAME##_any, T, LD_##T, ST_##T, D_)                                                    \
+int NAME(const T* q, const T* knew, const T* vnew, const T* kp, const T* vp, int64_t page_stride,   \
+         const int64_t* table, int64_t tstride, const int64_t* nfull, const T* rk, const T* rv,     \
+         int64_t slot_stride, const int64_t* slots, const int64_t* ntail, T* out, int64_t G,        \
+         int64_t H, int64_t KVH, int64_t bs, int64_t D, float scale) {                              \
+    if (D == 64) return NAME##_64(q, knew, vnew, kp, vp, page_stride, table, tstride, nfull, rk, rv, \
+                                  slot_stride, slots, ntail, out, G, H, KVH, bs, D, scale);         \
+    if (D == 128) return NAME##_128(q, knew, vnew, kp, vp, page_stride, table, tstride, nfull, rk, rv, \
+                                    slot_stride, slots, ntail, out, G, H, KVH, bs, D, scale);       \
+    if (D > 512) return 2;                                                                          \
+    return NAME##_any(q, knew, vnew, kp, vp, page_stride, table, tstride, nfull, rk, rv,            \
+                      slot_stride, slots, ntail, out, G, H, KVH, bs, D, scale);                     \
+}
+
+typedef float f32;
+typedef uint16_t bf16;
+#define LD_f32 ld_f32
+#define ST_f32 st_f32
+#define LD_bf16 ld_bf16
+#define ST_bf16 st_bf16
+DEFINE_DISPATCH(kvmesh_decode_f32, f32)
+DEFINE_DISPATCH(kvmesh_decode_bf16, bf16)
+
+/* x, out [rows, dim] bf16 (rows at x + i * xstride, out contiguous), w [dim] bf16:
+   out = bf16(w * x * rsqrt(mean(x^2) + eps)), float32 inside, one rounding (torch's rms_norm) */
+void kvmesh_rms_norm_bf16(const uint16_t* x, int64_t xstride, const uint16_t* w, uint16_t* out,
+                          int64_t rows, int64_t dim, float eps) {
+    for (int64_t i = 0; i < rows; i++) {
+        const uint16_t* xr = x + i * xstride;
+        float ss = 0.f;
+        for (int64_t d = 0; d < dim; d++) { const float v = ld_bf16(xr + d); ss += v * v; }
+        const float inv = 1.f / sqrtf(ss / (float)dim + eps);
+        for (int64_t d = 0; d < dim; d++) st_bf16(out + i * dim + d, ld_bf16(w + d) * (ld_bf16(xr + d) * inv));
+    }
+}
 """
 
 # reassociation lets the compiler vectorize the dot products and sums; no -ffast-math (keeps
@@ -177,7 +228,7 @@ def _build() -> Path:
     return out
 
 
-class NativeDecode:
+class NativeKernels:
     """The loaded kernel; `attend` runs it for one layer."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
@@ -188,6 +239,18 @@ class NativeDecode:
             fn.argtypes = [_P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I,
                            ctypes.c_float]
             self._fns[dtype] = fn
+        self._norm = lib.kvmesh_rms_norm_bf16
+        self._norm.restype = None
+        self._norm.argtypes = [_P, _I, _P, _P, _I, _I, ctypes.c_float]
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [T, dim] bf16 (rows may be strided), weight [dim] bf16 -> [T, dim] bf16."""
+        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1:
+            raise ValueError(f"NativeKernels.rms_norm: wants bf16 [T, dim] rows, got {x.dtype} {tuple(x.shape)}")
+        w = weight.contiguous()
+        out = torch.empty(x.shape, dtype=x.dtype)
+        self._norm(x.data_ptr(), x.stride(0), w.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], float(eps))
+        return out
 
     @staticmethod
     def supports(dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
@@ -206,29 +269,29 @@ class NativeDecode:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         for t in (kpages, vpages, rk, rv):  # rows of [KVH, bs, D] must be dense
             if t.dtype != q.dtype or t.stride()[1:] != (bs * D, D, 1):
-                raise ValueError(f"NativeDecode: cache view {tuple(t.shape)} {t.dtype} strides {t.stride()}")
+                raise ValueError(f"NativeKernels: cache view {tuple(t.shape)} {t.dtype} strides {t.stride()}")
         if kpages.stride(0) != vpages.stride(0) or rk.stride(0) != rv.stride(0):
-            raise ValueError("NativeDecode: K and V views must share their page / slot strides")
+            raise ValueError("NativeKernels: K and V views must share their page / slot strides")
         for t in (table, nfull, slots, ntail):
             if t.dtype != torch.int64 or not t.is_contiguous():
-                raise ValueError("NativeDecode: index tensors must be contiguous int64")
+                raise ValueError("NativeKernels: index tensors must be contiguous int64")
         out = torch.empty_like(q)
         rc = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), kpages.data_ptr(), vpages.data_ptr(), kpages.stride(0),
                 table.data_ptr(), table.stride(0) if table.dim() == 2 else 0, nfull.data_ptr(), rk.data_ptr(),
                 rv.data_ptr(), rk.stride(0), slots.data_ptr(), ntail.data_ptr(), out.data_ptr(), G, H, KVH, bs, D,
                 float(scale))
         if rc != 0:
-            raise MemoryError("NativeDecode: out of memory for the score buffer")
+            raise MemoryError("NativeKernels: out of memory for the score buffer")
         return out
 
 
 @functools.lru_cache(maxsize=1)
-def load() -> NativeDecode | None:
+def load() -> NativeKernels | None:
     """The kernel, built on first use; None where it cannot be (the torch path runs instead)."""
     if os.environ.get("KVMESH_NATIVE_DECODE", "1") == "0":
         return None
     try:
-        return NativeDecode(ctypes.CDLL(str(_build())))
+        return NativeKernels(ctypes.CDLL(str(_build())))
     except (OSError, RuntimeError, AttributeError) as e:
         log.warning("native CPU decode attention unavailable, using torch: %s", e)
         return None
