@@ -1,5 +1,6 @@
 """SmolLM2 in bf16 on the CPU (the serving path: oneDNN pre-packed weights, fused MLP and residual
-epilogues, `TorchBackend` over a bf16 paged cache) against transformers in bf16, on the real model.
+epilogues, the C RMSNorm and decode attention, bf16 prompt attention, `TorchBackend` over a bf16
+paged cache) against transformers in bf16, on the real model.
 
 bf16 rounds differently on the two sides (our fused epilogues round once where transformers rounds
 twice), so the check is the one that matters: against the fp32 model as truth, our bf16 logits are
@@ -14,6 +15,7 @@ from kvmesh.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata
+from kvmesh.kernels.cpu_native import load as load_native
 from kvmesh.kernels.torch_ref import TorchBackend
 from kvmesh.kv.layout import BlockLayout
 from kvmesh.kv.pool import KVCache
@@ -43,7 +45,7 @@ def _our_logits(model, ids: list[int], split: int) -> torch.Tensor:
     fused prompt path and the decode path both), over a bf16 paged cache."""
     cfg = model.config
     cache = KVCache(BlockLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, "bf16"), 8, 1, torch.bfloat16)
-    backend, out = TorchBackend(), []
+    backend, out = TorchBackend(load_native()), []  # the serving path's backend (None: pure torch)
     for start, n in [(0, split)] + [(p, 1) for p in range(split, len(ids))]:
         meta = build_attention_metadata([SeqSlice(prefix_len=start, num_new=n, block_table=list(range(8)),
                                                   residual_slot=0)], cache.layout, 1, "cpu")

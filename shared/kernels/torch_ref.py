@@ -238,8 +238,12 @@ class TorchBackend:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
         if plan.decode is not None:
             self._attend_decode(cache, layer, q, k, v, plan.decode, scale, out)
+        # the serving path runs bf16 prompts through SDPA in bf16 (its CPU kernel keeps scores and
+        # sums in float32 and rounds the probabilities to bf16 for p·v, as transformers in bf16 does;
+        # 32 x 64 tokens: 4.3 ms + float32 copies -> 2.1 ms a layer); the reference: float32
+        model_dtype = self.native is not None and q.dtype == torch.bfloat16 and q.device.type == "cpu"
         for n, runs in plan.fresh.items():
-            self._attend_fresh(q, k, v, runs, n, scale, out)
+            self._attend_fresh(q, k, v, runs, n, scale, out, model_dtype)
         for run in plan.extend:
             view = self._layer_view(cache, layer)
             self._attend_extend(cache, view, layer, q, k, v, meta, run, scale, out)
@@ -290,7 +294,7 @@ class TorchBackend:
 
     @staticmethod
     def _attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list[_Run], n: int,
-                      scale: float, out: torch.Tensor) -> None:
+                      scale: float, out: torch.Tensor, model_dtype: bool = False) -> None:
         """Runs of n new tokens with nothing cached before them: plain causal attention."""
         G, H, D = len(runs), q.shape[1], q.shape[2]
         first = runs[0].start
@@ -298,9 +302,10 @@ class TorchBackend:
             rows = slice(first, first + G * n)
         else:
             rows = torch.cat([torch.arange(r.start, r.start + n, device=q.device) for r in runs])
-        Q = q[rows].float().reshape(G, n, H, D).transpose(1, 2)  # [G, H, n, D]
-        K = k[rows].float().reshape(G, n, -1, D).transpose(1, 2)  # [G, KVH, n, D]
-        V = v[rows].float().reshape(G, n, -1, D).transpose(1, 2)
+        dt = q.dtype if model_dtype else torch.float32
+        Q = q[rows].to(dt).reshape(G, n, H, D).transpose(1, 2)  # [G, H, n, D]
+        K = k[rows].to(dt).reshape(G, n, -1, D).transpose(1, 2)  # [G, KVH, n, D]
+        V = v[rows].to(dt).reshape(G, n, -1, D).transpose(1, 2)
         o = F.scaled_dot_product_attention(Q, K, V, is_causal=True, scale=scale, enable_gqa=True)
         out[rows] = o.transpose(1, 2).reshape(G * n, H, D).to(out.dtype)
 
