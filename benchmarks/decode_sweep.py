@@ -76,7 +76,7 @@ def _compile_worker(jobs: list[tuple[str, dict]]) -> int:
         cache, meta, q, kn, vn, *_ = problems[kv]
         for splits in (1, 2):
             try:
-                decode_attention(cache, 0, q, kn, vn, meta, kb.D ** -0.5, splits=splits, **cfg)
+                decode_attention(cache, 0, q, kn, vn, meta, kb.D ** -0.5, splits=splits, direct=False, **cfg)
             except Exception:
                 failed += 1
     torch.cuda.synchronize()
@@ -99,12 +99,12 @@ def time_case(kv: str, batch: int, ctx: int, cfgs: list[dict], pps: tuple, reps:
     del k_rows, v_rows
     t_sdpa = kb.time_ms(lambda: F.scaled_dot_product_attention(qs, kc, vc, enable_gqa=True), reps)
     del kc, vc
-    ref = decode_attention(cache, 0, q, kn, vn, meta, kb.D ** -0.5, splits=1, block_n=32, num_stages=3)
+    ref = decode_attention(cache, 0, q, kn, vn, meta, kb.D ** -0.5, splits=1, block_n=32, num_stages=3, direct=False)
     kb.log(f"{kv} {batch}x{ctx}: sdpa {t_sdpa:.4f} ms")
     for cfg, p in itertools.product(cfgs, pps):
         full = {**cfg, "programs_per_sm": p}
         try:
-            fn = lambda: decode_attention(cache, 0, q, kn, vn, meta, kb.D ** -0.5, **full)  # noqa: E731
+            fn = lambda: decode_attention(cache, 0, q, kn, vn, meta, kb.D ** -0.5, direct=False, **full)  # noqa: E731
             err = ((fn().float() - ref.float()).norm() / ref.float().norm()).item()
             t = kb.time_ms(fn, reps)
             results.append(dict(kv=kv, case=f"{batch}x{ctx}", cfg=full, ms=t, sdpa=t_sdpa, err=err))

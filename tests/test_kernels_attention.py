@@ -179,10 +179,11 @@ def test_gpu_direct_decode(kv, gqa, head_dim, bs):
         check(kv, gqa, head_dim, bs, lens, [1] * len(lens), kv_heads=8, device="cuda", num_layers=2,
               model_dtype=torch.float16, seed=splits or 0,
               attend=lambda *a: decode_attention(*a, splits=splits, direct=True))
-    for trans, prefetch in ((False, False), (False, True), (True, False), (True, True)):
+    for trans, prefetch, fused in ((False, False, False), (False, True, True), (True, False, True),
+                                   (True, True, False), (True, True, True)):
         check(kv, gqa, head_dim, bs, lens, [1] * len(lens), kv_heads=8, device="cuda", num_layers=2,
               model_dtype=torch.float16, seed=3,
-              attend=lambda *a: decode_direct(*a, splits=3, trans=trans, prefetch=prefetch))
+              attend=lambda *a: decode_direct(*a, splits=3, trans=trans, prefetch=prefetch, fused=fused))
 
 
 @pytest.mark.gpu

@@ -113,8 +113,8 @@ if HAVE_GLUON:
         """uint32 [16, D/4] words of four 8-bit codes -> fp16 [16, D], exact and two codes per
         instruction: e4m3 by the hardware pair conversion, e5m2 as the high byte of each half, int8
         as fp16(0x6400 | code ^ 0x80) = code + 1152 (no integer-to-float conversion), less 1152 unless
-        OFFSET (the caller then takes 1152 x its sums out once). The pages are carried across loop
-        iterations as words: carried as bytes, each would take a register."""
+        OFFSET (keys: the caller takes 1152 x sum(q) off the scores once). The pages are carried across
+        loop iterations as words: carried as bytes, each would take a register."""
         if FMT == 3:
             asm: gl.constexpr = """{ .reg .b16 l, h; mov.b32 {l, h}, $2;
                 cvt.rn.f16x2.e4m3x2 $0, l; cvt.rn.f16x2.e4m3x2 $1, h; }"""
@@ -166,28 +166,26 @@ if HAVE_GLUON:
         return mma_v2(vt, pt, acc * a[None, :]), m_new, l_i
 
     @gluon.jit
-    def _step_t(acc, m_i, l_i, psum, st, vt, vs, OFFSET: gl.constexpr):
+    def _step_t(acc, m_i, l_i, st, vt, vs):
         """`_step` with the scores transposed: st = S^T [16 tokens, 8 heads] (the accumulator of
         K . q^T: no padded rows, heads already where O^T keeps them, so the statistics need no
-        layout change); P^T moves to the B operand by a few warp shuffles. With OFFSET the values
-        carry +1152 (int8 codes) and psum keeps the sum of the fp16 weights they were multiplied by."""
+        layout change); P^T moves to the B operand by a few warp shuffles."""
         m_new = gl.maximum(m_i, gl.max(st, axis=0))
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(st - m_new[None, :])
         l_i = l_i * alpha + gl.sum(p, axis=0)
-        pv = (p * vs).to(gl.float16)
-        psum = psum * alpha
-        if OFFSET:  # the weights as the MMA sees them (fp16), so 1152 x psum cancels exactly
-            psum = psum + gl.sum(pv.to(gl.float32), axis=0)
-        return mma_v2(vt, gl.convert_layout(pv, B_OP), acc * alpha[None, :]), m_new, l_i, psum
+        pt = gl.convert_layout((p * vs).to(gl.float16), B_OP)
+        return mma_v2(vt, pt, acc * alpha[None, :]), m_new, l_i
 
     @gluon.jit
-    def _chunk(acc, m_i, l_i, psum, q_op, kcorr, kf, vf, ks, vs, qk_scale, valid, MASK: gl.constexpr,
+    def _chunk(acc, m_i, l_i, q_op, kcorr, kf, vf, ks, vs, qk_scale, valid, MASK: gl.constexpr,
                TRANS: gl.constexpr, OFFSET: gl.constexpr, D: gl.constexpr):
         """One 16-token chunk, K and V as fp16 [16, D] in memory channel order (k_layout, v_layout);
         ks / vs: K scale(s), V scale(s) times the code maximum (scalars, or per token shaped for the
-        score orientation); valid: [16] tokens that count (MASK). OFFSET (TRANS only): the codes
-        carry +1152; kcorr [16, 8] = 1152 x each head's sum of q comes off the raw scores."""
+        score orientation); valid: [16] tokens that count (MASK). OFFSET (TRANS only): the key codes
+        carry +1152; kcorr [16, 8] = 1152 x each head's sum of q comes off the raw scores. (The same
+        for values, 1152 x the sum of the weights off the output, cancels too much: 2e-2 relative
+        error at 32k random tokens, whose average value is near zero.)"""
         vt = _v_operand(vf, D)
         if TRANS:
             x = gl.reshape(gl.permute(gl.reshape(kf, [CHUNK_C, 4, D // 16, 2, 2]), [0, 2, 3, 1, 4]), [CHUNK_C, D])
@@ -197,13 +195,12 @@ if HAVE_GLUON:
             st = st * (ks * qk_scale)
             if MASK:
                 st = gl.where(valid[:, None], st, float("-inf"))
-            return _step_t(acc, m_i, l_i, psum, st, vt, vs, OFFSET)
+            return _step_t(acc, m_i, l_i, st, vt, vs)
         else:
             s = _scores(q_op, _k_operand(kf, D)) * (ks * qk_scale)
             if MASK:
                 s = gl.where(valid[None, :], s, float("-inf"))
-            acc, m_i, l_i = _step(acc, m_i, l_i, s, vt, vs)
-            return acc, m_i, l_i, psum
+            return _step(acc, m_i, l_i, s, vt, vs)
 
     @gluon.jit
     def _load_chunk(pool_ptr, bt_row, chunk, kvh, page_stride, layer_off, tk, wk, tv, wv,
@@ -234,6 +231,33 @@ if HAVE_GLUON:
             vs = gl.load(ps + (base + VS_OFF) // 4 + kvh)
         return kb, vb, ks, vs
 
+    @gluon.jit
+    def _reduce_splits(part_out_ptr, part_lse_ptr, out_ptr, b, kvh, stride_ob, stride_oh, num_splits,
+                       KVH: gl.constexpr, G: gl.constexpr, D: gl.constexpr):
+        """The last split of a (sequence, KV head) combines every split's partial, weights
+        2**(lse - max) (what `reduce_splits_kernel` does in a second launch). Loads bypass L1 (.cg):
+        the partials were written by other SMs."""
+        RL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, D // 32], threads_per_warp=[1, 32],
+                                            warps_per_cta=[1, 1], order=[1, 0])
+        h = gl.arange(0, 8, layout=gl.SliceLayout(1, RL))
+        d = gl.arange(0, D, layout=gl.SliceLayout(0, RL))
+        hm = h < G
+        ph = (b.to(gl.int64) * (KVH * G) + kvh * G + h) * num_splits  # [8] first partial of each head
+        m = gl.full([8], -1.0e30, gl.float32, layout=gl.SliceLayout(1, RL))
+        for i in range(num_splits):
+            m = gl.maximum(m, gl.load(part_lse_ptr + ph + i, mask=hm, other=-1.0e30, cache_modifier=".cg"))
+        acc = gl.zeros([8, D], gl.float32, layout=RL)
+        wsum = gl.zeros([8], gl.float32, layout=gl.SliceLayout(1, RL))
+        for i in range(num_splits):  # empty splits have lse -inf: weight 0
+            w = gl.exp2(gl.load(part_lse_ptr + ph + i, mask=hm, other=-1.0e30, cache_modifier=".cg") - m)
+            o = gl.load(part_out_ptr + ((ph + i) * D)[:, None] + d[None, :], mask=hm[:, None], other=0.0,
+                        cache_modifier=".cg")
+            acc = acc + o * w[:, None]
+            wsum = wsum + w
+        o = acc / gl.where(wsum > 0.0, wsum, 1.0)[:, None]
+        op = out_ptr + b.to(gl.int64) * stride_ob + ((kvh * G + h) * stride_oh)[:, None] + d[None, :]
+        gl.store(op, o.to(gl.float16), mask=hm[:, None])
+
     @gluon.jit(do_not_specialize=["num_splits"])
     def decode_direct_kernel(
         q_ptr,  # fp16 [B, H, D] new queries
@@ -242,6 +266,7 @@ if HAVE_GLUON:
         out_ptr,  # fp16 [B, H, D] output (PARTIAL == False)
         part_out_ptr,  # fp32 [B, H, splits, D] normalized partial outputs (PARTIAL)
         part_lse_ptr,  # fp32 [B, H, splits] log2-sum-exp of each partial (PARTIAL)
+        count_ptr,  # int32 [>= B * KVH] zeros: splits done per (sequence, KV head) (FUSED; reset to 0)
         pool_ptr,  # uint8 [num_pages, page_bytes]
         res_ptr,  # fp16 [num_slots, layers, 2, KVH, BS, D] residual tails
         prefix_lens_ptr,  # int32 [B]
@@ -259,6 +284,7 @@ if HAVE_GLUON:
         CMAX: gl.constexpr,  # the format's largest code: V scales ride on p times it
         PREFETCH: gl.constexpr,  # issue the next chunk's loads before computing the current one
         TRANS: gl.constexpr,  # scores as S^T = K . q^T (tokens in the MMA rows) instead of q . K^T
+        FUSED: gl.constexpr,  # the last split of each (sequence, KV head) reduces the partials
     ):
         LK: gl.constexpr = k_layout(D, False)
         LV: gl.constexpr = v_layout(D, False)
@@ -291,7 +317,7 @@ if HAVE_GLUON:
             q_op = gl.convert_layout(gl.permute(_halves(gl.permute(qt, [1, 0])), [1, 0]), B_OP)  # [D, 8]
         else:
             q_op = gl.convert_layout(gl.permute(qt, [1, 0]), A_OP)  # [16, D]
-        OFFSET: gl.constexpr = TRANS and FMT == 5  # int8 codes decoded as code + 1152 (see _codes_fp16)
+        OFFSET: gl.constexpr = TRANS and FMT == 5  # int8 key codes decoded as code + 1152 (_codes_fp16)
         kcorr = 0.0
         if OFFSET:  # 1152 x sum of each head's q, through the same MMA as the scores: [16, 8]
             kcorr = mma_v2(gl.full([CHUNK_C, D], 1152.0, gl.float16, layout=A_OP), q_op,
@@ -299,7 +325,6 @@ if HAVE_GLUON:
         acc = gl.zeros([D, 8], gl.float32, layout=MMA)  # O^T, times CMAX
         m_i = gl.full([8], -1.0e30, gl.float32, layout=HL)
         l_i = gl.zeros([8], gl.float32, layout=HL)
-        psum = gl.zeros([8], gl.float32, layout=HL)  # OFFSET: sum of the fp16 weights on offset values
         none = gl.full([CHUNK_C], 1, gl.int1, layout=TL)
 
         # 1. this split's chunks of full pages
@@ -316,17 +341,17 @@ if HAVE_GLUON:
                 kb_n, vb_n, ks_n, vs_n = _load_chunk(pool_ptr, bt_row, gl.minimum(c + 1, hi - 1), kvh, page_stride,
                                                      layer_off, tkw, wk, tvw, wv, V_OFF, KS_OFF, VS_OFF, FMT, BS, D,
                                                      TRANS)
-                acc, m_i, l_i, psum = _chunk(acc, m_i, l_i, psum, q_op, kcorr, _codes_fp16(kb, FMT, OFFSET),
-                                             _codes_fp16(vb, FMT, OFFSET), ks, vs * CMAX, qk_scale, none, False,
-                                             TRANS, OFFSET, D)
+                acc, m_i, l_i = _chunk(acc, m_i, l_i, q_op, kcorr, _codes_fp16(kb, FMT, OFFSET),
+                                       _codes_fp16(vb, FMT, False), ks, vs * CMAX, qk_scale, none, False, TRANS,
+                                       OFFSET, D)
                 kb, vb, ks, vs = kb_n, vb_n, ks_n, vs_n
         else:
             for c in range(lo, hi):
                 kb, vb, ks, vs = _load_chunk(pool_ptr, bt_row, c, kvh, page_stride, layer_off, tkw, wk, tvw, wv,
                                              V_OFF, KS_OFF, VS_OFF, FMT, BS, D, TRANS)
-                acc, m_i, l_i, psum = _chunk(acc, m_i, l_i, psum, q_op, kcorr, _codes_fp16(kb, FMT, OFFSET),
-                                             _codes_fp16(vb, FMT, OFFSET), ks, vs * CMAX, qk_scale, none, False,
-                                             TRANS, OFFSET, D)
+                acc, m_i, l_i = _chunk(acc, m_i, l_i, q_op, kcorr, _codes_fp16(kb, FMT, OFFSET),
+                                       _codes_fp16(vb, FMT, False), ks, vs * CMAX, qk_scale, none, False, TRANS,
+                                       OFFSET, D)
 
         # 2. the last split: residual tail (prefix % BS tokens, fp16) and the new token, masked
         if split == num_splits - 1:
@@ -343,12 +368,10 @@ if HAVE_GLUON:
                 kf = gl.load(pk, mask=(rows_k <= n_tail)[:, None], other=0.0)
                 vf = gl.load(pv, mask=(rows_v <= n_tail)[:, None], other=0.0)
                 valid = (t0 + gl.arange(0, CHUNK_C, layout=TL)) <= n_tail
-                acc, m_i, l_i, psum = _chunk(acc, m_i, l_i, psum, q_op, kcorr, kf, vf, 1.0, CMAX, qk_scale, valid,
+                acc, m_i, l_i = _chunk(acc, m_i, l_i, q_op, kcorr, kf, vf, 1.0, CMAX, qk_scale, valid,
                                              True, TRANS, False, D)
 
         # 3. normalize, back to memory channel order, store
-        if OFFSET:
-            acc = acc - 1152.0 * psum[None, :]
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
         o = acc * gl.convert_layout(1.0 / (l_safe * CMAX), gl.SliceLayout(0, MMA))[None, :]  # [D, 8]
         m = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
@@ -362,25 +385,35 @@ if HAVE_GLUON:
             lse = gl.where(l_i > 0.0, m_i + gl.log2(l_safe), float("-inf"))
             gl.store(part_lse_ptr + (b.to(gl.int64) * (KVH * G) + kvh * G + hh) * num_splits + split, lse,
                      mask=hh < G)
+            if FUSED:
+                gl.thread_barrier()  # every lane's partial is written before the count says so
+                done = gl.atomic_add(count_ptr + b * KVH + kvh, 1, sem="acq_rel", scope="gpu")
+                if done == num_splits - 1:
+                    _reduce_splits(part_out_ptr, part_lse_ptr, out_ptr, b, kvh, stride_ob, stride_oh, num_splits,
+                                   KVH, G, D)
+                    gl.store(count_ptr + b * KVH + kvh, 0)  # ready for the next launch
         else:
             op = out_ptr + b.to(gl.int64) * stride_ob + ((kvh * G + h) * stride_oh)[None, :] + chan[:, None]
             gl.store(op, o.to(gl.float16), mask=(h < G)[None, :])
 
 
 PREFETCH_GAIN = 1.06  # a prefetching program runs ~6 % faster at equal waves (H200, 64 x 4096)
+MAXNREG = 128  # 16 one-warp programs per SM (D <= 128); uncapped, int8's prefetching variant took 166
+FUSED_MAX_SPLITS = 4  # one warp reducing 16 splits' partials cost more than the second launch (H200)
 
 
 def decode_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float, *,
-                  splits: int | None = None, prefetch: bool | None = None, trans: bool = True,
-                  maxnreg: int | None = None) -> torch.Tensor:
+                  splits: int | None = None, prefetch: bool | None = True, trans: bool = True,
+                  fused: bool | None = None, maxnreg: int | None = None) -> torch.Tensor:
     """out [B, H, D] fp16 for q [B, H, D] fp16 (one new token per sequence; k/v [B, KVH, D] its new
     K/V) over 8-bit pages; `supports` must hold and the caller (`decode_attention`) has checked the
     arguments. `trans` picks the score orientation (S^T = K . q^T), `prefetch` the loop (None: the
-    variant with fewer waves x program time, from each variant's compiled residency), `splits`
+    variant with fewer waves x program time, from each variant's compiled residency), `fused` lets
+    the last split reduce (no second launch; None: up to FUSED_MAX_SPLITS splits), `splits`
     overrides the split count."""
     from kvmesh.kernels.formats import FMT_CODES
     from kvmesh.kernels.paged_attention import LOG2E
-    from kvmesh.kernels.splits import PROGRAM_COST_TOKENS, launch_split, num_sms, num_splits, resident_of
+    from kvmesh.kernels.splits import COUNTERS, PROGRAM_COST_TOKENS, launch_split, num_sms, num_splits, resident_of
 
     L = cache.layout
     B, H, D = q.shape
@@ -391,16 +424,18 @@ def decode_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.
         bt = torch.zeros(B, 1, dtype=torch.int32, device=q.device)
     out = torch.empty_like(q)
     res = cache.residual
+    counters = COUNTERS.get(q.device, B * L.kv_heads) if fused is not False else None
     args = dict(
-        q_ptr=q, k_ptr=k, v_ptr=v, out_ptr=out, pool_ptr=cache.pool, res_ptr=res,
+        q_ptr=q, k_ptr=k, v_ptr=v, out_ptr=out, count_ptr=counters if counters is not None else bt,
+        pool_ptr=cache.pool, res_ptr=res,
         prefix_lens_ptr=meta.prefix_lens, block_tables_ptr=bt, residual_slots_ptr=meta.residual_slots,
         stride_qb=q.stride(0), stride_qh=q.stride(1), stride_kb=k.stride(0), stride_vb=v.stride(0),
         stride_ob=out.stride(0), stride_oh=out.stride(1), stride_bt=bt.stride(0),
         page_stride=L.block_bytes, layer_off=layer * L.layer_bytes,
         slot_stride=res.stride(0), res_layer_off=layer * res.stride(1), qk_scale=scale * LOG2E, g_rows=G,
         V_OFF=L.v_data_offset, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset, FMT=fmt, KVH=L.kv_heads, G=G,
-        BS=L.block_size, D=D, CMAX=CODE_MAX[fmt], TRANS=bool(trans),
-        num_warps=1, **({} if maxnreg is None else {"maxnreg": maxnreg}))
+        BS=L.block_size, D=D, CMAX=CODE_MAX[fmt], TRANS=bool(trans), FUSED=counters is not None,
+        num_warps=1, maxnreg=maxnreg or (MAXNREG if D <= 128 else None))
     context = meta.max_prefix_len + 1
     sms = num_sms(q.device)
 
@@ -417,4 +452,6 @@ def decode_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.
         splits = (on if prefetch else off)[1]
     elif splits is None:
         splits = plan(bool(prefetch))[1]
+    if fused is None and args["FUSED"]:
+        args["FUSED"] = splits <= FUSED_MAX_SPLITS
     return launch_split(decode_direct_kernel, out, L.kv_heads, splits, dict(args, PREFETCH=bool(prefetch)))

@@ -82,10 +82,32 @@ def resident_of(tag: str, kernel, args: dict, device: torch.device) -> int:
                                                             num_splits=2, PARTIAL=True, grid=(1,)))
 
 
+class SplitCounters:
+    """Zeroed int32 counters, one per (sequence, KV head), for kernels whose last split reduces the
+    others' partials: each split adds one, the last resets its counter to 0, so the buffer is zero
+    between launches (and a CUDA graph can replay it). Allocated once per device."""
+
+    SIZE = 1 << 16
+
+    def __init__(self) -> None:
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device, n: int) -> torch.Tensor | None:
+        """The counters, or None where `n` (batch x KV heads) exceeds them."""
+        if n > self.SIZE:
+            return None
+        if device not in self._by_device:
+            self._by_device[device] = torch.zeros(self.SIZE, dtype=torch.int32, device=device)
+        return self._by_device[device]
+
+
+COUNTERS = SplitCounters()
+
+
 def launch_split(kernel, out: torch.Tensor, kv_heads: int, splits: int, args: dict) -> torch.Tensor:
     """Runs a decode kernel over (B, KV heads, splits) programs into out [B, H, D]; with more than one
     split each program writes a normalized partial and its log2-sum-exp, and `reduce_splits_kernel`
-    combines them."""
+    combines them, unless the kernel's last split does (args FUSED)."""
     from kvmesh.kernels.paged_attention import reduce_splits_kernel
 
     B, H, D = out.shape
@@ -96,7 +118,7 @@ def launch_split(kernel, out: torch.Tensor, kv_heads: int, splits: int, args: di
         part_out = part_lse = out  # unused
     kernel[(B, kv_heads, splits)](**args, part_out_ptr=part_out, part_lse_ptr=part_lse, num_splits=splits,
                                   PARTIAL=splits > 1)
-    if splits > 1:
+    if splits > 1 and not args.get("FUSED"):
         reduce_splits_kernel[(B, H)](
             part_out_ptr=part_out, part_lse_ptr=part_lse, out_ptr=out,
             stride_ot=out.stride(0), stride_oh=out.stride(1),
