@@ -26,16 +26,16 @@ from test_kernels_attention import make_case, rel_l2
 TOL = 2e-3
 
 
-F16, F32 = torch.float16, torch.float32
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 
 
 @pytest.mark.parametrize("kv_heads,head_dim,bs,warps,hp,src_dtype", [
-    (8, 128, 16, 1, 2, F16), (8, 128, 16, 1, 1, F32), (8, 64, 32, 1, 4, F32), (8, 128, 32, 2, 4, F16),
+    (8, 128, 16, 1, 2, F16), (8, 128, 16, 1, None, F32), (8, 64, 32, 1, 4, BF16), (8, 128, 32, 2, 4, F16),
     (8, 64, 16, 4, 8, F16), (4, 32, 16, 1, 2, F32),  # head_dim 32: one group a token, V codes as bytes
 ])
 def test_write_variants_byte_exact(kv_heads, head_dim, bs, warps, hp, src_dtype):
     # residual and new rows mixed, a -1 block, every variant of heads per program
-    g = torch.Generator().manual_seed(kv_heads * head_dim + bs + hp)
+    g = torch.Generator().manual_seed(kv_heads * head_dim + bs + (hp or 0))
     layout = BlockLayout(num_layers=2, kv_heads=kv_heads, head_dim=head_dim, block_size=bs, kv_dtype="int4")
     got = KVCache(layout, 6, 2, src_dtype, "cpu")
     got.residual.copy_((torch.randn(got.residual.shape, generator=g) * 2).to(src_dtype))
@@ -59,6 +59,7 @@ def test_int4_heads_per_program():
     assert int4_heads(8, 128, 1) == 2  # 256 channels: 8 per thread of one warp
     assert int4_heads(8, 64, 1) == 4
     assert int4_heads(8, 128, 4) == 8
+    assert int4_heads(8, 128, 1, elem_bytes=4) == 1  # fp32 rows: 4 channels a 16-byte load
     assert int4_heads(2, 64, 1) == 2  # capped by the KV heads
     assert int4_heads(3, 64, 1) == 1
 

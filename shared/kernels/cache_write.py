@@ -235,12 +235,13 @@ INT4_WARPS = 1  # int4 write: warps per program (benchmarks/int4_gpu_check.py co
 INT4_MAXNREG = None  # no cap: at 168 / 200 / 224 registers the sm_90 build spills (138 / 94 / 36 STL + LDL)
 
 
-def int4_heads(kv_heads: int, head_dim: int, num_warps: int) -> int:
+def int4_heads(kv_heads: int, head_dim: int, num_warps: int, elem_bytes: int = 2) -> int:
     """KV heads per int4 write program: the fewest whose HP * D channels give each of the program's
-    threads 8 channels (one 16-byte load a row), so the per-channel K reduction over the block's
-    tokens stays in registers and each group's codes are computed by one thread, not replicated."""
+    threads one 16-byte load a row (8 fp16/bf16 channels, 4 fp32), so the per-channel K reduction over
+    the block's tokens stays in registers and each group's codes are computed by one thread, not
+    replicated (fp32 rows with 2 heads a warp spilled: 488 STL + LDL on sm_90)."""
     hp = 1
-    while hp * head_dim < 256 * num_warps and kv_heads % (2 * hp) == 0:
+    while hp * head_dim * elem_bytes < 512 * num_warps and kv_heads % (2 * hp) == 0:
         hp *= 2
     return hp
 
@@ -271,7 +272,8 @@ def write_blocks(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
     fmt = FMT_CODES[L.kv_dtype]
     if num_warps is None:
         num_warps = INT4_WARPS if fmt == FMT_INT4 else 2 if FMT_E4M3 <= fmt <= FMT_INT8 else 4
-    hp = 1 if fmt != FMT_INT4 else heads_per_program or int4_heads(L.kv_heads, L.head_dim, num_warps)
+    elem = max(res.element_size(), k.element_size(), v.element_size())
+    hp = 1 if fmt != FMT_INT4 else heads_per_program or int4_heads(L.kv_heads, L.head_dim, num_warps, elem)
     maxnreg = (INT4_MAXNREG if maxnreg == -1 else maxnreg) if fmt == FMT_INT4 else None
     if L.kv_heads % hp:
         raise ValueError(f"heads_per_program must divide the {L.kv_heads} KV heads, got {hp}")

@@ -55,9 +55,19 @@ def _max2(a, b):
 
 
 @triton.jit
+def _minmax_dtype(x):
+    """fp16 stays (min/max are exact in it: packed fp16 pairs, where tl.min/tl.max would widen to fp32
+    first); bf16 widens to fp32 (Triton computes bf16 min in fp32, which a bf16 reduction rejects)."""
+    if x.dtype == tl.float16:
+        return x
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
 def _lohi(x, axis: tl.constexpr):
-    """Min and max of x over `axis` in x's own dtype (exact; tl.min/tl.max would widen fp16 to fp32
-    first, one conversion and one FMNMX per element instead of packed fp16 pairs)."""
+    """Min and max of x over `axis`, exact (see `_minmax_dtype`)."""
+    x = _minmax_dtype(x)
     return tl.reduce(x, axis, _min2), tl.reduce(x, axis, _max2)
 
 
@@ -124,8 +134,9 @@ def store_int4_v(pool_ptr, base, scale_base, krec_base, head0, xr, BS: tl.conste
     of token t, so a thread holds whole 32-channel groups), per token and group: codes [KVH, BS, 2, G]
     at scale_base, each head's header in its K record (byte 8)."""
     G: tl.constexpr = D // 32
-    lo = tl.reduce(tl.reduce(xr, 3, _min2), 2, _min2)  # [HP * G, BS], exact in the input dtype
-    hi = tl.reduce(tl.reduce(xr, 3, _max2), 2, _max2)
+    xm = _minmax_dtype(xr)
+    lo = tl.reduce(tl.reduce(xm, 3, _min2), 2, _min2)  # [HP * G, BS], exact
+    hi = tl.reduce(tl.reduce(xm, 3, _max2), 2, _max2)
     lo = tl.reshape(tl.trans(lo), (BS, HP, G)).to(tl.float32)
     hi = tl.reshape(tl.trans(hi), (BS, HP, G)).to(tl.float32)
     hh = tl.arange(0, HP)
