@@ -6,8 +6,8 @@ decode kernel and SDPA over contiguous fp16, on the H200, in one run:
 Same cases, data and timing as benchmarks/kernels.py (CUDA-graph replays, CUDA events, median). Each
 variant is first checked against the plain kernel on the same cache (relative L2), so a fast wrong
 variant shows as wrong. Variants: the launcher's own choice ("default"), the split reduction fused
-into the last split or not, the untransposed scores (trans=False: S = q . K^T with the heads padded
-to 16 rows), lower register caps (more programs per SM).
+into the last split or not, a lower register cap (more programs per SM). Earlier variants (scores
+untransposed, no prefetch, L2 prefetch, lazy rescaling) and their numbers: docs/kernels.md.
 """
 from __future__ import annotations
 
@@ -23,8 +23,7 @@ import kernels as kb  # benchmarks/kernels.py (puts kvmesh on the path too)
 from kvmesh.kernels.decode_attention import decode_attention
 from kvmesh.kernels.decode_direct import decode_direct
 
-VARIANTS = [dict(), dict(fused=False), dict(fused=True), dict(trans=False), dict(maxnreg=120),
-            dict(maxnreg=112)]
+VARIANTS = [dict(), dict(fused=False), dict(fused=True), dict(maxnreg=120)]
 
 
 def main() -> None:

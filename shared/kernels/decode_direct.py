@@ -1,34 +1,35 @@
-"""Paged decode attention over 8-bit pages (fp8 e4m3 / e5m2, int8), with every page loaded straight
-into tensor-core operand registers (Gluon, Triton's layout-explicit dialect; GPU only).
+"""Paged decode attention over 8-bit pages (fp8 e4m3 / e5m2, int8), every page loaded straight into
+tensor-core operand registers (Gluon, Triton's layout-explicit dialect; GPU only).
 
-Why: the plain Triton decode kernel (`decode_attention.py`) lets the compiler choose layouts; it
+Why: the plain Triton decode kernel (`decode_attention.py`) lets the compiler choose layouts: it
 loads a tile coalesced, then moves it through shared memory into the MMA operand layout, byte by
 byte for 8-bit codes (~190 shared-memory loads and ~240 address multiplies per warp per 128-token
-tile, ~1,030 instructions in all). Halving the bytes then halves only the memory time. Here each
-thread loads exactly the bytes its MMA fragments hold, 16 bytes at a time, and converts them in
-registers: no shared memory, no barriers, ~200 instructions per 16-token page per warp.
+tile, ~1,030 instructions in all), so halving the bytes halved only the memory time (1.0-1.15x
+SDPA). Here each thread loads exactly the bytes its MMA fragments hold, 16 bytes at a time, and
+converts them in registers: no shared memory, no barriers, ~290 instructions per 16-token chunk per
+warp, and the pages stream at 96-99 % of the read bandwidth (docs/kernels.md).
 
 How the bytes land in the fragments (mma.m16n8k16, one warp per program, 16-token chunks):
-- S = q . K^T: K^T is the B operand [D, 16 tokens]; a thread holds, of token n = lane / 4, the
-  channel pairs {2t, 2t+1, 2t+8, 2t+9} of every 16-channel k-step (t = lane % 4). The dot does not
-  care about channel order, so logical channel k is memory channel
+- S^T = K . q^T: K is the A operand [16 tokens, D]; a thread holds, of tokens lane/4 and lane/4 + 8,
+  the channel pairs {2t, 2t+1, 2t+8, 2t+9} of every 16-channel k-step (t = lane % 4). A dot product
+  does not care about channel order, so logical channel k is memory channel
       c = (D/4) t + 4 j + 2 ph + pl    for k = 16 j + 8 ph + 2 t + pl
-  and each thread's D/4 memory channels of a token are contiguous (D/4 bytes: LDG.128s). q is
-  permuted the same way once per program.
+  and each thread's D/4 memory channels of a token are contiguous. q^T (the B operand [D, 8], the
+  G <= 8 query heads of the KV head) is permuted the same way once per program.
 - O^T = V^T . P^T: V^T is the A operand [D, 16 tokens]; a thread holds tokens {2t, 2t+1, 2t+8,
-  2t+9} and logical channels m = lane/4 + 8 i, mapped to memory channel c = (D/8) (lane/4) + i:
-  D/8 contiguous bytes per token. The output is un-permuted when stored.
-- P^T (the B operand, [16 tokens, 8 heads]) is the accumulator of S as it stands (rows 0-7): no
-  data moves. The G <= 8 query heads of the KV head are the rows of S (padded to 16) and the
-  columns of O^T (padded to 8).
-Those layout identities are checked at compile time (`convert_layout(..., assert_trivial=True)`).
+  2t+9} and logical channels m = lane/4 + 8 i, memory channel c = (D/8) (lane/4) + i: D/8
+  contiguous bytes per token. The output is un-permuted when stored.
+- S^T's accumulator has the heads where O^T keeps them, so the softmax statistics need no layout
+  change; P^T moves into the B operand by a few warp shuffles.
+The layout identities are checked at compile time (`convert_layout(..., assert_trivial=True)`).
 
-Scales: the page's (fp8) or each token's (int8) K scale multiplies the score columns; the V scale
-rides on p, times the format's largest code C (p * s * C = p * absmax stays in fp16's normal
-range), and the output is divided by C at the end. Full pages need no masks; the residual tail and
-the new token (full precision) are one more 16-token chunk, masked. Splits, partial outputs and the
-reduction are the plain kernel's (`reduce_splits_kernel`). Loads of the next chunk are issued
-before the current one is computed (registers double-buffer the pages).
+Scales: the page's (fp8) or each token's (int8) K scale multiplies the scores; the V scale rides on
+p, times the format's largest code C (p * s * C = p * absmax stays in fp16's normal range), and the
+output is divided by C at the end. Full pages need no masks; the residual tail and the new token
+(full precision) are one more 16-token chunk, masked. The next chunk's loads are in flight while a
+chunk is computed (pages carried as 32-bit words: as bytes, each would take a register). Splits
+write partials like the plain kernel's; up to FUSED_MAX_SPLITS the last split of each (sequence,
+KV head) reduces them (a counter per pair), beyond that `reduce_splits_kernel` does.
 """
 from __future__ import annotations
 
@@ -133,13 +134,6 @@ if HAVE_GLUON:
                     gl.reshape(_pairs(hi), [w.shape[0], w.shape[1], 2]))  # [16, D/4, 2 (pair), 2]
         return gl.reshape(gl.permute(x, [0, 1, 3, 2]), [w.shape[0], 4 * w.shape[1]])
 
-    # rows 0-7 of an [16, 16] accumulator (the query heads), as `_scores` leaves them
-    S8 = gl.constexpr(gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 8]],
-                                                 lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
-                                                 warp_bases=[], block_bases=[], shape=[8, CHUNK_C]))
-    HEADS = gl.constexpr(gl.SliceLayout(1, S8))  # [8] per query head, where the score rows live
-    TOKENS = gl.constexpr(gl.SliceLayout(0, S8))  # [16] per token of a chunk
-
     @gluon.jit
     def _halves(x):
         """[16, N] -> its rows 0-7 [8, N], where the row + 8 bit is a register bit (nothing moves)."""
@@ -147,29 +141,9 @@ if HAVE_GLUON:
         return lo
 
     @gluon.jit
-    def _scores(q_a, kt):
-        """q [16 (heads, padded), D] . K^T [D, 16] -> rows 0-7 [8, 16] fp32 (the row + 8 bit is a
-        register bit of the accumulator, so dropping rows 8-15 moves nothing)."""
-        s = mma_v2(q_a, kt, gl.zeros([16, CHUNK_C], gl.float32, layout=MMA))
-        return gl.convert_layout(_halves(s), S8, assert_trivial=True)
-
-    @gluon.jit
-    def _step(acc, m_i, l_i, s, vt, vs):
-        """One online-softmax step: s [8, 16] scaled (and masked) scores in base 2, vt the V^T A
-        operand, vs the V scale(s) times the code maximum. acc: O^T [D, 8] fp32."""
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))  # m_i starts finite: no inf - inf
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        pt = gl.convert_layout(gl.permute((p * vs).to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
-        a = gl.convert_layout(alpha, gl.SliceLayout(0, MMA))  # heads: lane / 4 -> lane % 4
-        return mma_v2(vt, pt, acc * a[None, :]), m_new, l_i
-
-    @gluon.jit
-    def _step_t(acc, m_i, l_i, st, vt, vs):
-        """`_step` with the scores transposed: st = S^T [16 tokens, 8 heads] (the accumulator of
-        K . q^T: no padded rows, heads already where O^T keeps them, so the statistics need no
-        layout change); P^T moves to the B operand by a few warp shuffles."""
+    def _step(acc, m_i, l_i, st, vt, vs):
+        """One online-softmax step: st = S^T [16 tokens, 8 heads] scaled (and masked) scores in base
+        2, vt the V^T A operand, vs the V scale(s) times the code maximum; acc: O^T [D, 8] fp32."""
         m_new = gl.maximum(m_i, gl.max(st, axis=0))
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(st - m_new[None, :])
@@ -179,35 +153,28 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _chunk(acc, m_i, l_i, q_op, kcorr, kf, vf, ks, vs, qk_scale, valid, MASK: gl.constexpr,
-               TRANS: gl.constexpr, OFFSET: gl.constexpr, D: gl.constexpr):
+               OFFSET: gl.constexpr, D: gl.constexpr):
         """One 16-token chunk, K and V as fp16 [16, D] in memory channel order (k_layout, v_layout);
-        ks / vs: K scale(s), V scale(s) times the code maximum (scalars, or per token shaped for the
-        score orientation); valid: [16] tokens that count (MASK). OFFSET (TRANS only): the key codes
-        carry +1152; kcorr [16, 8] = 1152 x each head's sum of q comes off the raw scores. (The same
-        for values, 1152 x the sum of the weights off the output, cancels too much: 2e-2 relative
-        error at 32k random tokens, whose average value is near zero.)"""
-        vt = _v_operand(vf, D)
-        if TRANS:
-            x = gl.reshape(gl.permute(gl.reshape(kf, [CHUNK_C, 4, D // 16, 2, 2]), [0, 2, 3, 1, 4]), [CHUNK_C, D])
-            st = mma_v2(gl.convert_layout(x, A_OP), q_op, gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA))
-            if OFFSET:
-                st = st - kcorr
-            st = st * (ks * qk_scale)
-            if MASK:
-                st = gl.where(valid[:, None], st, float("-inf"))
-            return _step_t(acc, m_i, l_i, st, vt, vs)
-        else:
-            s = _scores(q_op, _k_operand(kf, D)) * (ks * qk_scale)
-            if MASK:
-                s = gl.where(valid[None, :], s, float("-inf"))
-            return _step(acc, m_i, l_i, s, vt, vs)
+        ks / vs: the K scale(s), the V scale(s) times the code maximum (scalars, or [16, 1] per
+        token); valid: [16] tokens that count (MASK). OFFSET: the key codes carry +1152 and kcorr
+        [16, 8] = 1152 x each head's sum of q comes off the raw scores. (The same for values, 1152 x
+        the sum of the weights off the output, cancels too much: 2e-2 relative error at 32k random
+        tokens, whose average value is near zero.)"""
+        x = gl.reshape(gl.permute(gl.reshape(kf, [CHUNK_C, 4, D // 16, 2, 2]), [0, 2, 3, 1, 4]), [CHUNK_C, D])
+        st = mma_v2(gl.convert_layout(x, A_OP), q_op, gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA))
+        if OFFSET:
+            st = st - kcorr
+        st = st * (ks * qk_scale)
+        if MASK:
+            st = gl.where(valid[:, None], st, float("-inf"))
+        return _step(acc, m_i, l_i, st, _v_operand(vf, D), vs)
 
     @gluon.jit
     def _load_chunk(pool_ptr, bt_row, chunk, kvh, page_stride, layer_off, tk, wk, tv, wv,
                     V_OFF: gl.constexpr, KS_OFF: gl.constexpr, VS_OFF: gl.constexpr, FMT: gl.constexpr,
-                    BS: gl.constexpr, D: gl.constexpr, TRANS: gl.constexpr):
+                    BS: gl.constexpr, D: gl.constexpr):
         """Codes (uint32 words [16, D/4], K in k_layout, V in v_layout) and scales of one 16-token
-        chunk of a page: fp32 scalars (fp8, the page's) or fp32 [1, 16] per token (int8)."""
+        chunk of a page: fp32 scalars (fp8, the page's) or fp32 [16, 1] per token (int8)."""
         CPP: gl.constexpr = BS // CHUNK_C
         page = gl.maximum(gl.load(bt_row + chunk // CPP), 0).to(gl.int64)  # -1 (never read) -> 0
         base = page * page_stride + layer_off
@@ -215,16 +182,11 @@ if HAVE_GLUON:
         p32 = pool_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
         kb = gl.load(p32 + base // 4 + ((row0 + tk) * (D // 4))[:, None] + wk[None, :])
         vb = gl.load(p32 + (base + V_OFF) // 4 + ((row0 + tv) * (D // 4))[:, None] + wv[None, :])
-        if FMT == 5 and TRANS:  # per token, along the rows of S^T
+        if FMT == 5:  # per token, along the rows of S^T
             ps = pool_ptr.to(gl.pointer_type(gl.float16), bitcast=True)
             r = row0 + gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, MMA))
             ks = gl.load(ps + (base + KS_OFF) // 2 + r).to(gl.float32)[:, None]
             vs = gl.load(ps + (base + VS_OFF) // 2 + r).to(gl.float32)[:, None]
-        elif FMT == 5:  # along the columns of S
-            ps = pool_ptr.to(gl.pointer_type(gl.float16), bitcast=True)
-            r = row0 + gl.arange(0, CHUNK_C, layout=TOKENS)
-            ks = gl.load(ps + (base + KS_OFF) // 2 + r).to(gl.float32)[None, :]
-            vs = gl.load(ps + (base + VS_OFF) // 2 + r).to(gl.float32)[None, :]
         else:
             ps = pool_ptr.to(gl.pointer_type(gl.float32), bitcast=True)
             ks = gl.load(ps + (base + KS_OFF) // 4 + kvh)
@@ -282,8 +244,6 @@ if HAVE_GLUON:
         V_OFF: gl.constexpr, KS_OFF: gl.constexpr, VS_OFF: gl.constexpr, FMT: gl.constexpr,
         KVH: gl.constexpr, G: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, PARTIAL: gl.constexpr,
         CMAX: gl.constexpr,  # the format's largest code: V scales ride on p times it
-        PREFETCH: gl.constexpr,  # issue the next chunk's loads before computing the current one
-        TRANS: gl.constexpr,  # scores as S^T = K . q^T (tokens in the MMA rows) instead of q . K^T
         FUSED: gl.constexpr,  # the last split of each (sequence, KV head) reduces the partials
     ):
         LK: gl.constexpr = k_layout(D, False)
@@ -291,8 +251,8 @@ if HAVE_GLUON:
         LKW: gl.constexpr = k_layout(D, True)
         LVW: gl.constexpr = v_layout(D, True)
         # per head of the KV group / per token of a chunk, where the score orientation keeps them
-        HL: gl.constexpr = gl.SliceLayout(0, MMA) if TRANS else HEADS
-        TL: gl.constexpr = gl.SliceLayout(1, MMA) if TRANS else TOKENS
+        HL: gl.constexpr = gl.SliceLayout(0, MMA)  # [8] per query head of the group
+        TL: gl.constexpr = gl.SliceLayout(1, MMA)  # [16] per token of a chunk
         b = gl.program_id(0)
         kvh = gl.program_id(1)
         split = gl.program_id(2)
@@ -306,18 +266,13 @@ if HAVE_GLUON:
         tvw = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, LVW))
         wv = gl.arange(0, D // 4, layout=gl.SliceLayout(0, LVW))
 
-        # q: the G query heads of this KV head, in logical channel order, once: the B operand
-        # [D, 8] of S^T (TRANS) or the A operand [16, D] of S (rows >= G padding). The mask uses G at
-        # run time: a mask the compiler can fold makes the padding constant zeros, and an MMA operand
-        # with constants in it is rebuilt by register copies at every use.
+        # q^T [D, 8]: the G query heads of this KV head in logical channel order, once. The mask
+        # uses G at run time: a mask the compiler can fold makes the padding constant zeros, and an
+        # MMA operand with constants in it is rebuilt by register copies at every use.
         q = gl.load(q_ptr + b.to(gl.int64) * stride_qb + ((kvh * G + tk) * stride_qh)[:, None] + ck[None, :],
                     mask=(tk < g_rows)[:, None], other=0.0)  # [16, D]
-        qt = _k_operand(q, D)  # [D, 16] logical channels
-        if TRANS:
-            q_op = gl.convert_layout(gl.permute(_halves(gl.permute(qt, [1, 0])), [1, 0]), B_OP)  # [D, 8]
-        else:
-            q_op = gl.convert_layout(gl.permute(qt, [1, 0]), A_OP)  # [16, D]
-        OFFSET: gl.constexpr = TRANS and FMT == 5  # int8 key codes decoded as code + 1152 (_codes_fp16)
+        q_op = gl.convert_layout(gl.permute(_halves(gl.permute(_k_operand(q, D), [1, 0])), [1, 0]), B_OP)
+        OFFSET: gl.constexpr = FMT == 5  # int8 key codes decoded as code + 1152 (see _codes_fp16)
         kcorr = 0.0
         if OFFSET:  # 1152 x sum of each head's q, through the same MMA as the scores: [16, 8]
             kcorr = mma_v2(gl.full([CHUNK_C, D], 1152.0, gl.float16, layout=A_OP), q_op,
@@ -325,33 +280,22 @@ if HAVE_GLUON:
         acc = gl.zeros([D, 8], gl.float32, layout=MMA)  # O^T, times CMAX
         m_i = gl.full([8], -1.0e30, gl.float32, layout=HL)
         l_i = gl.zeros([8], gl.float32, layout=HL)
-        none = gl.full([CHUNK_C], 1, gl.int1, layout=TL)
+        every = gl.full([CHUNK_C], 1, gl.int1, layout=TL)
 
-        # 1. this split's chunks of full pages
+        # 1. this split's chunks of full pages, the next chunk's loads in flight during each step
         n_chunks = prefix // BS * (BS // CHUNK_C)
         per_split = gl.cdiv(n_chunks, num_splits)
         lo = split * per_split
         hi = gl.minimum(n_chunks, lo + per_split)
         bt_row = block_tables_ptr + b.to(gl.int64) * stride_bt
-        if PREFETCH:  # the next chunk's loads in flight during each step (carried registers)
-            kb, vb, ks, vs = _load_chunk(pool_ptr, bt_row, gl.minimum(lo, gl.maximum(n_chunks - 1, 0)), kvh,
-                                         page_stride, layer_off, tkw, wk, tvw, wv, V_OFF, KS_OFF, VS_OFF, FMT,
-                                         BS, D, TRANS)
-            for c in range(lo, hi):
-                kb_n, vb_n, ks_n, vs_n = _load_chunk(pool_ptr, bt_row, gl.minimum(c + 1, hi - 1), kvh, page_stride,
-                                                     layer_off, tkw, wk, tvw, wv, V_OFF, KS_OFF, VS_OFF, FMT, BS, D,
-                                                     TRANS)
-                acc, m_i, l_i = _chunk(acc, m_i, l_i, q_op, kcorr, _codes_fp16(kb, FMT, OFFSET),
-                                       _codes_fp16(vb, FMT, False), ks, vs * CMAX, qk_scale, none, False, TRANS,
-                                       OFFSET, D)
-                kb, vb, ks, vs = kb_n, vb_n, ks_n, vs_n
-        else:
-            for c in range(lo, hi):
-                kb, vb, ks, vs = _load_chunk(pool_ptr, bt_row, c, kvh, page_stride, layer_off, tkw, wk, tvw, wv,
-                                             V_OFF, KS_OFF, VS_OFF, FMT, BS, D, TRANS)
-                acc, m_i, l_i = _chunk(acc, m_i, l_i, q_op, kcorr, _codes_fp16(kb, FMT, OFFSET),
-                                       _codes_fp16(vb, FMT, False), ks, vs * CMAX, qk_scale, none, False, TRANS,
-                                       OFFSET, D)
+        kb, vb, ks, vs = _load_chunk(pool_ptr, bt_row, gl.minimum(lo, gl.maximum(n_chunks - 1, 0)), kvh,
+                                     page_stride, layer_off, tkw, wk, tvw, wv, V_OFF, KS_OFF, VS_OFF, FMT, BS, D)
+        for c in range(lo, hi):
+            kb_n, vb_n, ks_n, vs_n = _load_chunk(pool_ptr, bt_row, gl.minimum(c + 1, hi - 1), kvh, page_stride,
+                                                 layer_off, tkw, wk, tvw, wv, V_OFF, KS_OFF, VS_OFF, FMT, BS, D)
+            acc, m_i, l_i = _chunk(acc, m_i, l_i, q_op, kcorr, _codes_fp16(kb, FMT, OFFSET),
+                                   _codes_fp16(vb, FMT, False), ks, vs * CMAX, qk_scale, every, False, OFFSET, D)
+            kb, vb, ks, vs = kb_n, vb_n, ks_n, vs_n
 
         # 2. the last split: residual tail (prefix % BS tokens, fp16) and the new token, masked
         if split == num_splits - 1:
@@ -368,8 +312,8 @@ if HAVE_GLUON:
                 kf = gl.load(pk, mask=(rows_k <= n_tail)[:, None], other=0.0)
                 vf = gl.load(pv, mask=(rows_v <= n_tail)[:, None], other=0.0)
                 valid = (t0 + gl.arange(0, CHUNK_C, layout=TL)) <= n_tail
-                acc, m_i, l_i = _chunk(acc, m_i, l_i, q_op, kcorr, kf, vf, 1.0, CMAX, qk_scale, valid,
-                                             True, TRANS, False, D)
+                acc, m_i, l_i = _chunk(acc, m_i, l_i, q_op, kcorr, kf, vf, 1.0, CMAX, qk_scale, valid, True,
+                                       False, D)
 
         # 3. normalize, back to memory channel order, store
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
@@ -397,23 +341,20 @@ if HAVE_GLUON:
             gl.store(op, o.to(gl.float16), mask=(h < G)[None, :])
 
 
-PREFETCH_GAIN = 1.06  # a prefetching program runs ~6 % faster at equal waves (H200, 64 x 4096)
 MAXNREG = 128  # 16 one-warp programs per SM (D <= 128); uncapped, int8's prefetching variant took 166
 FUSED_MAX_SPLITS = 4  # one warp reducing 16 splits' partials cost more than the second launch (H200)
 
 
 def decode_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float, *,
-                  splits: int | None = None, prefetch: bool | None = True, trans: bool = True,
-                  fused: bool | None = None, maxnreg: int | None = None) -> torch.Tensor:
+                  splits: int | None = None, fused: bool | None = None, maxnreg: int | None = None) -> torch.Tensor:
     """out [B, H, D] fp16 for q [B, H, D] fp16 (one new token per sequence; k/v [B, KVH, D] its new
     K/V) over 8-bit pages; `supports` must hold and the caller (`decode_attention`) has checked the
-    arguments. `trans` picks the score orientation (S^T = K . q^T), `prefetch` the loop (None: the
-    variant with fewer waves x program time, from each variant's compiled residency), `fused` lets
-    the last split reduce (no second launch; None: up to FUSED_MAX_SPLITS splits), `splits`
-    overrides the split count."""
+    arguments. `splits` overrides the split count (from shapes and the compiled kernel's residency),
+    `fused` whether the last split reduces (None: up to FUSED_MAX_SPLITS splits), `maxnreg` the
+    register cap."""
     from kvmesh.kernels.formats import FMT_CODES
     from kvmesh.kernels.paged_attention import LOG2E
-    from kvmesh.kernels.splits import COUNTERS, PROGRAM_COST_TOKENS, launch_split, num_sms, num_splits, resident_of
+    from kvmesh.kernels.splits import COUNTERS, launch_split, num_sms, num_splits, resident_of
 
     L = cache.layout
     B, H, D = q.shape
@@ -427,31 +368,18 @@ def decode_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.
     counters = COUNTERS.get(q.device, B * L.kv_heads) if fused is not False else None
     args = dict(
         q_ptr=q, k_ptr=k, v_ptr=v, out_ptr=out, count_ptr=counters if counters is not None else bt,
-        pool_ptr=cache.pool, res_ptr=res,
-        prefix_lens_ptr=meta.prefix_lens, block_tables_ptr=bt, residual_slots_ptr=meta.residual_slots,
+        pool_ptr=cache.pool, res_ptr=res, prefix_lens_ptr=meta.prefix_lens, block_tables_ptr=bt,
+        residual_slots_ptr=meta.residual_slots,
         stride_qb=q.stride(0), stride_qh=q.stride(1), stride_kb=k.stride(0), stride_vb=v.stride(0),
         stride_ob=out.stride(0), stride_oh=out.stride(1), stride_bt=bt.stride(0),
         page_stride=L.block_bytes, layer_off=layer * L.layer_bytes,
         slot_stride=res.stride(0), res_layer_off=layer * res.stride(1), qk_scale=scale * LOG2E, g_rows=G,
         V_OFF=L.v_data_offset, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset, FMT=fmt, KVH=L.kv_heads, G=G,
-        BS=L.block_size, D=D, CMAX=CODE_MAX[fmt], TRANS=bool(trans), FUSED=counters is not None,
+        BS=L.block_size, D=D, CMAX=CODE_MAX[fmt], FUSED=counters is not None,
         num_warps=1, maxnreg=maxnreg or (MAXNREG if D <= 128 else None))
-    context = meta.max_prefix_len + 1
-    sms = num_sms(q.device)
-
-    def plan(pf: bool) -> tuple[float, int]:
-        """(estimated time in tokens, splits) of a variant: whole waves x a program's tokens."""
-        resident = resident_of("direct", decode_direct_kernel, dict(args, PREFETCH=pf), q.device)
-        n = splits or num_splits(B, L.kv_heads, context, sms, resident, CHUNK)
-        waves = -(-B * L.kv_heads * n // (sms * resident))
-        return waves * (context / n + PROGRAM_COST_TOKENS) / (PREFETCH_GAIN if pf else 1.0), n
-
-    if prefetch is None:
-        on, off = plan(True), plan(False)
-        prefetch = on[0] <= off[0]
-        splits = (on if prefetch else off)[1]
-    elif splits is None:
-        splits = plan(bool(prefetch))[1]
+    if splits is None:
+        resident = resident_of("direct", decode_direct_kernel, args, q.device)
+        splits = num_splits(B, L.kv_heads, meta.max_prefix_len + 1, num_sms(q.device), resident, CHUNK)
     if fused is None and args["FUSED"]:
         args["FUSED"] = splits <= FUSED_MAX_SPLITS
-    return launch_split(decode_direct_kernel, out, L.kv_heads, splits, dict(args, PREFETCH=bool(prefetch)))
+    return launch_split(decode_direct_kernel, out, L.kv_heads, splits, args)
