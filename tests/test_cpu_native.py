@@ -92,3 +92,18 @@ def test_native_rms_norm_matches_torch_rms_norm(rows):
     torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-6)  # one rounding to bf16
     with pytest.raises(ValueError, match="bf16"):
         native.rms_norm(x.float(), w, 1e-5)
+
+
+def test_native_rope_matches_rotary_embedding():
+    from kvmesh.model.rope import RotaryEmbedding
+    gen = torch.Generator().manual_seed(4)
+    rope = RotaryEmbedding(64, 10000.0, None)
+    cos, sin = rope.cos_sin(torch.tensor([0, 1, 5, 77, 1000, 4095]), torch.bfloat16)  # [T, 1, D]
+    qkv = (torch.randn(6, 15, 64, generator=gen) * 2).bfloat16()  # [T, H + 2 KVH, D]
+    x = qkv[:, :12]  # rows 15 heads apart, as the model passes q and k
+    got = native.rope(x, cos, sin)
+    want = RotaryEmbedding.apply(x.float(), cos.float(), sin.float())  # float32 inside, as ours
+    assert got.shape == (6, 12, 64) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-6)  # one rounding to bf16
+    with pytest.raises(ValueError, match="dense heads"):
+        native.rope(x.transpose(0, 1), cos, sin)

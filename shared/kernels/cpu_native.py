@@ -1,5 +1,5 @@
 """`NativeKernels`: the CPU serving path's small C library: decode attention straight from the
-paged pool, and a bf16 RMSNorm.
+paged pool, and bf16 RMSNorm and RoPE.
 
 Why: on the CPU, torch's decode attention over pages is bound by its copies, not its math. Per
 layer it gathers every page of every sequence into a new tensor, converts it to float32 and runs
@@ -13,6 +13,9 @@ RMSNorm (bf16): torch's `rms_norm` numerics (float32 inside, one rounding to bf1
 transformers rounds twice, before and after the weight, which measured further from the fp32
 model: SmolLM2's worst logit error 1.54 against 0.57) in one pass over the row, where torch runs
 bf16 `rms_norm` as about eight ops (2048 x 576: ~3 ms; 32 rows: ~100 us in the model).
+
+RoPE (bf16): q and k rotated in one pass, float32 inside, one rounding (torch: cat, neg, two
+multiplies and an add, each rounding to bf16).
 
 Scope of the attention kernel: one new token per sequence; unquantized KV pages (bf16 or fp32 storage, the model dtype);
 other cases stay on `TorchBackend`'s torch path. The library is compiled once per machine with the
@@ -186,6 +189,27 @@ void kvmesh_rms_norm_bf16(const uint16_t* x, int64_t xstride, const uint16_t* w,
         for (int64_t d = 0; d < dim; d++) st_bf16(out + i * dim + d, ld_bf16(w + d) * (ld_bf16(xr + d) * inv));
     }
 }
+
+/* x [T, heads, D] bf16 (rows at x + t * xrow, heads contiguous), cos/sin [T, D] bf16, out [T, heads, D]:
+   out = x * cos + rotate_half(x) * sin (HF's convention: first half pairs with second), float32
+   inside, one rounding */
+void kvmesh_rope_bf16(const uint16_t* x, int64_t xrow, int64_t heads, const uint16_t* cs, const uint16_t* sn,
+                      uint16_t* out, int64_t T, int64_t D) {
+    const int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t* c = cs + t * D;
+        const uint16_t* s = sn + t * D;
+        for (int64_t h = 0; h < heads; h++) {
+            const uint16_t* xr = x + t * xrow + h * D;
+            uint16_t* o = out + (t * heads + h) * D;
+            for (int64_t d = 0; d < half; d++) {
+                const float a = ld_bf16(xr + d), b = ld_bf16(xr + d + half);
+                st_bf16(o + d, a * ld_bf16(c + d) - b * ld_bf16(s + d));
+                st_bf16(o + d + half, b * ld_bf16(c + d + half) + a * ld_bf16(s + d + half));
+            }
+        }
+    }
+}
 """
 
 # reassociation lets the compiler vectorize the dot products and sums; no -ffast-math (keeps
@@ -242,6 +266,21 @@ class NativeKernels:
         self._norm = lib.kvmesh_rms_norm_bf16
         self._norm.restype = None
         self._norm.argtypes = [_P, _I, _P, _P, _I, _I, ctypes.c_float]
+        self._rope = lib.kvmesh_rope_bf16
+        self._rope.restype = None
+        self._rope.argtypes = [_P, _I, _I, _P, _P, _P, _I, _I]
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] bf16 (rows may be strided, heads dense), cos/sin [T, 1, D] bf16 -> rotated
+        [T, heads, D] (`RotaryEmbedding.apply`, one rounding)."""
+        T, heads, D = x.shape
+        if x.dtype != torch.bfloat16 or x.stride()[1:] != (D, 1) or cos.dtype != torch.bfloat16 or D % 2:
+            raise ValueError(f"NativeKernels.rope: wants bf16 [T, heads, D] with dense heads, got {x.dtype} "
+                             f"{tuple(x.shape)} strides {x.stride()}")
+        c, s = cos.reshape(T, D).contiguous(), sin.reshape(T, D).contiguous()
+        out = torch.empty((T, heads, D), dtype=x.dtype)
+        self._rope(x.data_ptr(), x.stride(0), heads, c.data_ptr(), s.data_ptr(), out.data_ptr(), T, D)
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [T, dim] bf16 (rows may be strided), weight [dim] bf16 -> [T, dim] bf16."""

@@ -52,6 +52,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.scale = self.d ** -0.5
         self.key_center: torch.Tensor | None = None  # [KVH, D], see kvmesh.model.key_centers
+        self.native: NativeKernels | None = None  # set by pack_for_cpu for bf16: the C RoPE
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
@@ -59,7 +60,10 @@ class Attention(nn.Module):
         T = x.shape[0]
         qkv = self.qkv_proj(x).view(T, self.h + 2 * self.kvh, self.d)  # [T, H + 2 KVH, D]
         # one rotation for q and k together (fewer kernel launches per layer)
-        qk = RotaryEmbedding.apply(qkv[:, :self.h + self.kvh], cos, sin)  # [T, H + KVH, D]
+        if self.native is not None and qkv.dtype == torch.bfloat16:
+            qk = self.native.rope(qkv[:, :self.h + self.kvh], cos, sin)  # [T, H + KVH, D], one pass
+        else:
+            qk = RotaryEmbedding.apply(qkv[:, :self.h + self.kvh], cos, sin)  # [T, H + KVH, D]
         q, k = qk[:, :self.h], qk[:, self.h:]  # [T, H, D], [T, KVH, D]
         if self.key_center is not None:  # a shift every key of a query shares: softmax ignores it
             k = k - self.key_center
@@ -161,9 +165,9 @@ class LlamaForCausalLM(nn.Module):
                 m.gate_up_proj = PackedGateUp(m.gate_up_proj.weight, m.inter)
         if w.dtype == torch.bfloat16:
             native = load_native()  # None without a C compiler: torch's rms_norm stays
-            for norm in [self.norm] + [n for layer in self.layers
-                                       for n in (layer.input_layernorm, layer.post_attention_layernorm)]:
-                norm.native = native
+            for m in [self.norm] + [m for layer in self.layers
+                                    for m in (layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm)]:
+                m.native = native  # RMSNorm, RoPE in C
         if not pack_linears(self):
             return False
         if self.lm_head is not None:
