@@ -15,6 +15,7 @@ import torch
 
 from kvmesh.kernels.decode_attention import decode_attention, num_splits, resident_programs
 from kvmesh.kernels.decode_direct import decode_direct
+from kvmesh.kernels.decode_direct import supports as decode_direct_supports
 from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata
 from kvmesh.kernels.prefill_attention import prefill_attention
 from kvmesh.kernels.torch_ref import TorchBackend
@@ -130,6 +131,15 @@ def test_bad_shapes_name_the_tensor():
         TritonBackend().attend(cache, 1, q, k[:, :1], v, meta, 0.125)
     with pytest.raises(ValueError, match="layer must be"):
         TritonBackend().attend(cache, 2, q, k, v, meta, 0.125)
+
+
+def test_direct_kernel_declines_the_interpreter():
+    # the Gluon kernel has no interpreter path: on the CPU decode runs the plain kernel, and asking
+    # for the direct one says why instead of failing inside Triton
+    cache, meta, q, k, v = make_case("fp8_e4m3", 4, 64, 16, [20], [1], model_dtype=torch.float16)
+    assert not decode_direct_supports(3, q, cache.residual.dtype, 4, 64, 16)
+    with pytest.raises(ValueError, match="direct decode kernel does not serve"):
+        decode_attention(cache, 1, q, k, v, meta, 0.125, direct=True)
 
 
 def test_num_splits_from_shapes():
