@@ -19,9 +19,10 @@ from kvmesh.model.llama import LlamaForCausalLM
 BS = 16
 
 
-def tiny_model(device: str, rope_theta: float = 10000.0, attention_bias: bool = False) -> LlamaForCausalLM:
-    cfg = ModelConfig(architecture="LlamaForCausalLM", hidden_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=32, intermediate_size=256, vocab_size=256,
+def tiny_model(device: str, rope_theta: float = 10000.0, attention_bias: bool = False,
+               head_dim: int = 32) -> LlamaForCausalLM:
+    cfg = ModelConfig(architecture="LlamaForCausalLM", hidden_size=4 * head_dim, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=head_dim, intermediate_size=256, vocab_size=256,
                       rope_theta=rope_theta, rope_scaling=None, rms_norm_eps=1e-5, tie_word_embeddings=True,
                       attention_bias=attention_bias, max_position_embeddings=512, bos_token_id=None,
                       eos_token_ids=(), torch_dtype="float32", name="tiny")
@@ -33,12 +34,12 @@ def tiny_model(device: str, rope_theta: float = 10000.0, attention_bias: bool = 
 
 
 def generate(model: LlamaForCausalLM, backend, kv: str, prompts: list[list[int]], steps: int,
-             device: str) -> tuple[list[list[int]], torch.Tensor]:
+             device: str, dtype: torch.dtype = torch.float32) -> tuple[list[list[int]], torch.Tensor]:
     """Greedy decode; the first prompt is prefilled in two chunks. Returns tokens and all logits."""
     cfg = model.config
     layout = BlockLayout(num_layers=cfg.num_layers, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                          block_size=BS, kv_dtype=kv)
-    cache = KVCache(layout, 40, len(prompts) + 1, torch.float32, device)
+    cache = KVCache(layout, 40, len(prompts) + 1, dtype, device)
     tables = [[3 + 2 * i + 13 * s for i in range(8)] for s in range(len(prompts))]  # interleaved, not 0
     seqs = [list(p) for p in prompts]
     done = [0] * len(prompts)  # tokens whose K/V are cached
@@ -92,4 +93,19 @@ def test_greedy_generation_matches_torch_backend(kv):
     # identical tokens; the tokens must still match exactly
     tol = {"fp32": 1e-4, "int4": 0.15}.get(kv, 3e-3) if device == "cuda" else 1e-4
     assert err < tol, f"{kv}: logits relative L2 {err:.2e} > {tol}"
+    assert got == want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "int8"])
+def test_gpu_fp16_model_direct_decode_matches_torch_backend(kv):
+    # an fp16 model with head_dim 64: decode steps take the register-direct kernel (decode_direct.py),
+    # prefill the prefill kernel, and each step's cache write feeds the next step's direct read
+    model = tiny_model("cuda", head_dim=64).half()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 256, (37,), generator=g).tolist(), torch.randint(0, 256, (9,), generator=g).tolist()]
+    want, want_logits = generate(model, TorchBackend(), kv, prompts, 12, "cuda", torch.float16)
+    got, got_logits = generate(model, TritonBackend(), kv, prompts, 12, "cuda", torch.float16)
+    err = ((got_logits.float() - want_logits.float()).norm() / want_logits.float().norm()).item()
+    assert err < 1e-2, f"{kv}: logits relative L2 {err:.2e}"  # fp16 model: both paths round in fp16
     assert got == want
