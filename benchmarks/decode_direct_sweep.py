@@ -6,8 +6,9 @@ decode kernel and SDPA over contiguous fp16, on the H200, in one run:
 Same cases, data and timing as benchmarks/kernels.py (CUDA-graph replays, CUDA events, median). Each
 variant is first checked against the plain kernel on the same cache (relative L2), so a fast wrong
 variant shows as wrong. Variants: the launcher's own choice ("default"), the split reduction fused
-into the last split or not, a lower register cap (more programs per SM). Earlier variants (scores
-untransposed, no prefetch, L2 prefetch, lazy rescaling) and their numbers: docs/kernels.md.
+into the last split or not, half or twice the launcher's split count. Earlier variants (scores
+untransposed, no prefetch, L2 prefetch, lazy rescaling, register caps) and their numbers:
+docs/decode_direct.md.
 """
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ import torch.nn.functional as F
 import kernels as kb  # benchmarks/kernels.py (puts kvmesh on the path too)
 from kvmesh.kernels.decode_attention import decode_attention
 from kvmesh.kernels.decode_direct import decode_direct
+from kvmesh.kernels.splits import num_sms, num_splits
 
-VARIANTS = [dict(), dict(fused=False), dict(fused=True), dict(maxnreg=120)]
+VARIANTS = [dict(), dict(fused=False), dict(fused=True), dict(split_scale=0.5), dict(split_scale=0.5, fused=True),
+            dict(split_scale=2), dict(split_scale=2, fused=True)]
 
 
 def main() -> None:
@@ -64,6 +67,10 @@ def main() -> None:
                 name = ",".join(f"{k}={v}" for k, v in var.items()) or "default"
                 try:
                     kw, splits = dict(var), None
+                    if "split_scale" in kw:  # relative to the launcher's count (16 programs per SM)
+                        auto = num_splits(batch, kb.KVH, ctx + 1, num_sms(q.device), 16, 16)
+                        splits = max(1, int(auto * kw.pop("split_scale")))
+                        name += f" ({splits} splits)"
                     out = decode_direct(cache, 0, q, kn, vn, meta, scale, splits=splits, **kw)
                     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
                     t = kb.time_ms(lambda: decode_direct(cache, 0, q, kn, vn, meta, scale, splits=splits, **kw),
