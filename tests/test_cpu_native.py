@@ -48,9 +48,8 @@ def test_native_decode_matches_torch_path(kv, heads, kvh, d, bs, mixed):
     meta = build_attention_metadata(seqs, cache.layout, cache.num_residual_slots, "cpu")
     T = int(meta.query_start_loc[-1])
     dt = DTYPES[kv]
-    q = torch.randn(T, heads, d, generator=gen).to(dt)
-    k = torch.randn(T, kvh, d, generator=gen).to(dt)
-    v = torch.randn(T, kvh, d, generator=gen).to(dt)
+    qkv = torch.randn(T, heads + 2 * kvh, d, generator=gen).to(dt)  # strided token rows, as in the model
+    q, k, v = qkv[:, :heads], qkv[:, heads:heads + kvh], qkv[:, heads + kvh:]
     ref = TorchBackend().attend(cache, 1, q, k, v, meta, d ** -0.5)
     got = TorchBackend(native).attend(cache, 1, q, k, v, meta, d ** -0.5)
     assert got.dtype == dt and got.shape == (T, heads, d)

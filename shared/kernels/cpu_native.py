@@ -75,7 +75,8 @@ static inline void st_bf16(uint16_t* p, float x) {
 }
 
 /* One layer, one new token per sequence g (G of them). Strides in elements.
-   q [G, H, D], knew/vnew [G, KVH, D]: contiguous. Page p of this layer: K at kp + p * page_stride,
+   q [G, H, D] (token rows qrow apart), knew/vnew [G, KVH, D] (rows kvrow apart), heads dense; out
+   [G, H, D] contiguous. Page p of this layer: K at kp + p * page_stride,
    V at vp + p * page_stride, each [KVH, bs, D] contiguous. Residual slot s: K at rk + s * slot_stride,
    V at rv + s * slot_stride, each [KVH, bs, D]. Sequence g attends to its nfull[g] pages
    table[g * tstride + j], then ntail[g] residual rows of slot slots[g], then its own new token.
@@ -84,7 +85,7 @@ static inline void st_bf16(uint16_t* p, float x) {
 static int NAME(const T* q, const T* knew, const T* vnew, const T* kp, const T* vp, int64_t page_stride, \
          const int64_t* table, int64_t tstride, const int64_t* nfull, const T* rk, const T* rv,     \
          int64_t slot_stride, const int64_t* slots, const int64_t* ntail, T* out, int64_t G,        \
-         int64_t H, int64_t KVH, int64_t bs, int64_t D_, float scale) {                             \
+         int64_t H, int64_t KVH, int64_t bs, int64_t D_, float scale, int64_t qrow, int64_t kvrow) {  \
     const int64_t D = DC, R = H / KVH;                                                              \
     int64_t maxlen = 0;                                                                             \
     for (int64_t g = 0; g < G; g++) {                                                               \
@@ -101,7 +102,7 @@ static int NAME(const T* q, const T* knew, const T* vnew, const T* kp, const T* 
         for (int64_t h = 0; h < KVH; h++) {                                                         \
             for (int64_t r = 0; r < R; r++)                                                         \
                 for (int64_t d = 0; d < D; d++)                                                     \
-                    qf[r * D + d] = LD(q + (g * H + h * R + r) * D + d) * scale;                    \
+                    qf[r * D + d] = LD(q + g * qrow + (h * R + r) * D + d) * scale;                 \
             /* pass 1: scores of every key (pages, residual tail, own token) for the R heads */     \
             for (int64_t r = 0; r < R; r++) mx[r] = -3.0e38f;                                       \
             int64_t t = 0;                                                                          \
@@ -110,7 +111,7 @@ static int NAME(const T* q, const T* knew, const T* vnew, const T* kp, const T* 
                 int64_t rows;                                                                       \
                 if (j < nfull[g]) { base = kp + table[g * tstride + j] * page_stride + h * bs * D; rows = bs; } \
                 else if (j == nfull[g]) { base = rk + slots[g] * slot_stride + h * bs * D; rows = ntail[g]; } \
-                else { base = knew + (g * KVH + h) * D; rows = 1; }                                 \
+                else { base = knew + g * kvrow + h * D; rows = 1; }                                 \
                 for (int64_t i = 0; i < rows; i++, t++) {                                           \
                     for (int64_t d = 0; d < D; d++) row[d] = LD(base + i * D + d);                  \
                     for (int64_t r = 0; r < R; r++) {                                               \
@@ -136,7 +137,7 @@ static int NAME(const T* q, const T* knew, const T* vnew, const T* kp, const T* 
                     int64_t rows;                                                                   \
                     if (j < nfull[g]) { base = vp + table[g * tstride + j] * page_stride + h * bs * D; rows = bs; } \
                     else if (j == nfull[g]) { base = rv + slots[g] * slot_stride + h * bs * D; rows = ntail[g]; } \
-                    else { base = vnew + (g * KVH + h) * D; rows = 1; }                             \
+                    else { base = vnew + g * kvrow + h * D; rows = 1; }                             \
                     for (int64_t i = 0; i < rows; i++, t++) {                                       \
                         const float p = sr[t];                                                      \
                         for (int64_t d = 0; d < D; d++) acc[d] += p * LD(base + i * D + d);         \
@@ -158,14 +159,14 @@ DEFINE_KERNEL(NAME##_any, T, LD_##T, ST_##T, D_)                                
 int NAME(const T* q, const T* knew, const T* vnew, const T* kp, const T* vp, int64_t page_stride,   \
          const int64_t* table, int64_t tstride, const int64_t* nfull, const T* rk, const T* rv,     \
          int64_t slot_stride, const int64_t* slots, const int64_t* ntail, T* out, int64_t G,        \
-         int64_t H, int64_t KVH, int64_t bs, int64_t D, float scale) {                              \
+         int64_t H, int64_t KVH, int64_t bs, int64_t D, float scale, int64_t qrow, int64_t kvrow) {   \
     if (D == 64) return NAME##_64(q, knew, vnew, kp, vp, page_stride, table, tstride, nfull, rk, rv, \
-                                  slot_stride, slots, ntail, out, G, H, KVH, bs, D, scale);         \
+                                  slot_stride, slots, ntail, out, G, H, KVH, bs, D, scale, qrow, kvrow); \
     if (D == 128) return NAME##_128(q, knew, vnew, kp, vp, page_stride, table, tstride, nfull, rk, rv, \
-                                    slot_stride, slots, ntail, out, G, H, KVH, bs, D, scale);       \
+                                    slot_stride, slots, ntail, out, G, H, KVH, bs, D, scale, qrow, kvrow); \
     if (D > 512) return 2;                                                                          \
     return NAME##_any(q, knew, vnew, kp, vp, page_stride, table, tstride, nfull, rk, rv,            \
-                      slot_stride, slots, ntail, out, G, H, KVH, bs, D, scale);                     \
+                      slot_stride, slots, ntail, out, G, H, KVH, bs, D, scale, qrow, kvrow); \
 }
 
 typedef float f32;
@@ -261,7 +262,7 @@ class NativeKernels:
             fn = getattr(lib, name)
             fn.restype = ctypes.c_int
             fn.argtypes = [_P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I,
-                           ctypes.c_float]
+                           ctypes.c_float, _I, _I]
             self._fns[dtype] = fn
         self._norm = lib.kvmesh_rms_norm_bf16
         self._norm.restype = None
@@ -298,14 +299,19 @@ class NativeKernels:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kpages: torch.Tensor,
                vpages: torch.Tensor, table: torch.Tensor, nfull: torch.Tensor, rk: torch.Tensor,
-               rv: torch.Tensor, slots: torch.Tensor, ntail: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [G, H, D], k/v [G, KVH, D] (this step's tokens); kpages/vpages [N, KVH, bs, D] (one
-        layer's pages, rows may be strided); table int64 [G, >= max nfull]; nfull, ntail, slots
-        int64 [G]; rk/rv [S, KVH, bs, D] (one layer's residual slots) -> out [G, H, D]."""
+               rv: torch.Tensor, slots: torch.Tensor, ntail: torch.Tensor, scale: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [G, H, D], k/v [G, KVH, D] (this step's tokens; token rows may be strided, as slices
+        of the fused qkv are); kpages/vpages [N, KVH, bs, D] (one layer's pages, rows may be
+        strided); table int64 [G, >= max nfull]; nfull, ntail, slots int64 [G]; rk/rv
+        [S, KVH, bs, D] (one layer's residual slots) -> out [G, H, D] (contiguous; given or new)."""
         G, H, D = q.shape
         KVH, bs = kpages.shape[1], kpages.shape[2]
         fn = self._fns[q.dtype]
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        if q.stride()[1:] != (D, 1):
+            q = q.contiguous()
+        if k.stride() != v.stride() or k.stride()[1:] != (D, 1):
+            k, v = k.contiguous(), v.contiguous()
         for t in (kpages, vpages, rk, rv):  # rows of [KVH, bs, D] must be dense
             if t.dtype != q.dtype or t.stride()[1:] != (bs * D, D, 1):
                 raise ValueError(f"NativeKernels: cache view {tuple(t.shape)} {t.dtype} strides {t.stride()}")
@@ -314,11 +320,16 @@ class NativeKernels:
         for t in (table, nfull, slots, ntail):
             if t.dtype != torch.int64 or not t.is_contiguous():
                 raise ValueError("NativeKernels: index tensors must be contiguous int64")
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty((G, H, D), dtype=q.dtype)
+        elif out.shape != (G, H, D) or out.dtype != q.dtype or not out.is_contiguous():
+            raise ValueError(f"NativeKernels.attend: out must be contiguous {q.dtype} {(G, H, D)}")
         rc = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), kpages.data_ptr(), vpages.data_ptr(), kpages.stride(0),
                 table.data_ptr(), table.stride(0) if table.dim() == 2 else 0, nfull.data_ptr(), rk.data_ptr(),
                 rv.data_ptr(), rk.stride(0), slots.data_ptr(), ntail.data_ptr(), out.data_ptr(), G, H, KVH, bs, D,
-                float(scale))
+                float(scale), q.stride(0), k.stride(0))
+        if rc == 2:
+            raise ValueError(f"NativeKernels.attend: head_dim {D} > 512")
         if rc != 0:
             raise MemoryError("NativeKernels: out of memory for the score buffer")
         return out

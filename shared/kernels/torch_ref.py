@@ -264,10 +264,9 @@ class TorchBackend:
                 and self.native.supports(q.dtype, view.k.dtype) and cache.residual.dtype == q.dtype):
             res = cache.residual[:, layer]  # [S, 2, KVH, bs, D]
             o = self.native.attend(q, k, v, view.k, view.v, d.page_ids.view(G, d.nfull), d.full, res[:, 0],
-                                   res[:, 1], d.slots, d.off, scale)  # [G, H, D], straight from the pool
-            if d.rows is None:
-                out.copy_(o)
-            else:
+                                   res[:, 1], d.slots, d.off, scale,
+                                   out=out if d.rows is None else None)  # [G, H, D], straight from the pool
+            if d.rows is not None:
                 out[d.rows] = o
             return
         Q = (q.float().reshape(G, KVH, H // KVH, D) * scale).transpose(0, 1)  # [KVH, G, R, D]
