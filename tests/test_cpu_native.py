@@ -106,3 +106,26 @@ def test_native_rope_matches_rotary_embedding():
     torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-6)  # one rounding to bf16
     with pytest.raises(ValueError, match="dense heads"):
         native.rope(x.transpose(0, 1), cos, sin)
+
+
+@pytest.mark.parametrize("kv", ["fp32", "bf16"])
+def test_native_residual_write_matches_torch_path(kv):
+    """Decode steps (every row stays in the residual) and a step that completes blocks (the torch
+    path gathers, the C copy writes the rest), k and v with different row strides as in the model."""
+    gen = torch.Generator().manual_seed(7)
+    bs, kvh, d = 8, 2, 16
+    caches = [_cache(kv, gen, kvh, d, bs) for _ in range(2)]
+    caches[1].residual.copy_(caches[0].residual)
+    caches[1].pool.copy_(caches[0].pool)
+    for prefixes in ([3, 0, 9, 14], [7, 15, 2, 23]):  # second: two sequences complete a block
+        seqs = [SeqSlice(prefix_len=p, num_new=1, block_table=[4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3],
+                         residual_slot=11 - i) for i, p in enumerate(prefixes)]
+        meta = build_attention_metadata(seqs, caches[0].layout, 12, "cpu")
+        qk = torch.randn(4, 3 * kvh, d, generator=gen).to(DTYPES[kv])
+        qkv = torch.randn(4, 5 * kvh, d, generator=gen).to(DTYPES[kv])
+        k, v = qk[:, kvh:2 * kvh], qkv[:, 2 * kvh:3 * kvh]  # rows 3 * kvh and 5 * kvh heads apart
+        for cache, backend in zip(caches, (TorchBackend(), TorchBackend(native))):
+            for layer in range(3):
+                backend.write(cache, layer, k, v, meta)
+        assert torch.equal(caches[0].residual, caches[1].residual)
+        assert torch.equal(caches[0].pool, caches[1].pool)

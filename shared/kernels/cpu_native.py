@@ -1,5 +1,5 @@
 """`NativeKernels`: the CPU serving path's small C library: decode attention straight from the
-paged pool, and bf16 RMSNorm and RoPE.
+paged pool, the decode step's residual writes, and bf16 RMSNorm and RoPE.
 
 Why: on the CPU, torch's decode attention over pages is bound by its copies, not its math. Per
 layer it gathers every page of every sequence into a new tensor, converts it to float32 and runs
@@ -75,7 +75,7 @@ static inline void st_bf16(uint16_t* p, float x) {
 }
 
 /* One layer, one new token per sequence g (G of them). Strides in elements.
-   q [G, H, D] (token rows qrow apart), knew/vnew [G, KVH, D] (rows kvrow apart), heads dense; out
+   q [G, H, D] (token rows qrow apart), knew/vnew [G, KVH, D] (rows krow / vrow apart), heads dense; out
    [G, H, D] contiguous. Page p of this layer: K at kp + p * page_stride,
    V at vp + p * page_stride, each [KVH, bs, D] contiguous. Residual slot s: K at rk + s * slot_stride,
    V at rv + s * slot_stride, each [KVH, bs, D]. Sequence g attends to its nfull[g] pages
@@ -85,7 +85,7 @@ static inline void st_bf16(uint16_t* p, float x) {
 static int NAME(const T* q, const T* knew, const T* vnew, const T* kp, const T* vp, int64_t page_stride, \
          const int64_t* table, int64_t tstride, const int64_t* nfull, const T* rk, const T* rv,     \
          int64_t slot_stride, const int64_t* slots, const int64_t* ntail, T* out, int64_t G,        \
-         int64_t H, int64_t KVH, int64_t bs, int64_t D_, float scale, int64_t qrow, int64_t kvrow) {  \
+         int64_t H, int64_t KVH, int64_t bs, int64_t D_, float scale, int64_t qrow, int64_t krow, int64_t vrow) {  \
     const int64_t D = DC, R = H / KVH;                                                              \
     int64_t maxlen = 0;                                                                             \
     for (int64_t g = 0; g < G; g++) {                                                               \
@@ -111,7 +111,7 @@ static int NAME(const T* q, const T* knew, const T* vnew, const T* kp, const T* 
                 int64_t rows;                                                                       \
                 if (j < nfull[g]) { base = kp + table[g * tstride + j] * page_stride + h * bs * D; rows = bs; } \
                 else if (j == nfull[g]) { base = rk + slots[g] * slot_stride + h * bs * D; rows = ntail[g]; } \
-                else { base = knew + g * kvrow + h * D; rows = 1; }                                 \
+                else { base = knew + g * krow + h * D; rows = 1; }                                  \
                 for (int64_t i = 0; i < rows; i++, t++) {                                           \
                     for (int64_t d = 0; d < D; d++) row[d] = LD(base + i * D + d);                  \
                     for (int64_t r = 0; r < R; r++) {                                               \
@@ -137,7 +137,7 @@ static int NAME(const T* q, const T* knew, const T* vnew, const T* kp, const T* 
                     int64_t rows;                                                                   \
                     if (j < nfull[g]) { base = vp + table[g * tstride + j] * page_stride + h * bs * D; rows = bs; } \
                     else if (j == nfull[g]) { base = rv + slots[g] * slot_stride + h * bs * D; rows = ntail[g]; } \
-                    else { base = vnew + g * kvrow + h * D; rows = 1; }                             \
+                    else { base = vnew + g * vrow + h * D; rows = 1; }                              \
                     for (int64_t i = 0; i < rows; i++, t++) {                                       \
                         const float p = sr[t];                                                      \
                         for (int64_t d = 0; d < D; d++) acc[d] += p * LD(base + i * D + d);         \
@@ -159,14 +159,14 @@ DEFINE_KERNEL(NAME##_any, T, LD_##T, ST_##T, D_)                                
 int NAME(const T* q, const T* knew, const T* vnew, const T* kp, const T* vp, int64_t page_stride,   \
          const int64_t* table, int64_t tstride, const int64_t* nfull, const T* rk, const T* rv,     \
          int64_t slot_stride, const int64_t* slots, const int64_t* ntail, T* out, int64_t G,        \
-         int64_t H, int64_t KVH, int64_t bs, int64_t D, float scale, int64_t qrow, int64_t kvrow) {   \
+         int64_t H, int64_t KVH, int64_t bs, int64_t D, float scale, int64_t qrow, int64_t krow, int64_t vrow) {   \
     if (D == 64) return NAME##_64(q, knew, vnew, kp, vp, page_stride, table, tstride, nfull, rk, rv, \
-                                  slot_stride, slots, ntail, out, G, H, KVH, bs, D, scale, qrow, kvrow); \
+                                  slot_stride, slots, ntail, out, G, H, KVH, bs, D, scale, qrow, krow, vrow); \
     if (D == 128) return NAME##_128(q, knew, vnew, kp, vp, page_stride, table, tstride, nfull, rk, rv, \
-                                    slot_stride, slots, ntail, out, G, H, KVH, bs, D, scale, qrow, kvrow); \
+                                    slot_stride, slots, ntail, out, G, H, KVH, bs, D, scale, qrow, krow, vrow); \
     if (D > 512) return 2;                                                                          \
     return NAME##_any(q, knew, vnew, kp, vp, page_stride, table, tstride, nfull, rk, rv,            \
-                      slot_stride, slots, ntail, out, G, H, KVH, bs, D, scale, qrow, kvrow); \
+                      slot_stride, slots, ntail, out, G, H, KVH, bs, D, scale, qrow, krow, vrow); \
 }
 
 typedef float f32;
@@ -189,6 +189,20 @@ void kvmesh_rms_norm_bf16(const uint16_t* x, int64_t xstride, const uint16_t* w,
         const float inv = 1.f / sqrtf(ss / (float)dim + eps);
         for (int64_t d = 0; d < dim; d++) st_bf16(out + i * dim + d, ld_bf16(w + d) * (ld_bf16(xr + d) * inv));
     }
+}
+
+/* residual rows: new token src[i] (k rows krow, v rows vrow apart, [KVH, D] dense) -> slot slot[i], offset
+   off[i] of the residual K/V ([KVH, bs, D] per slot, slots slot_stride apart); elem bytes per value */
+void kvmesh_residual_write(const char* k, const char* v, int64_t krow, int64_t vrow, char* rk, char* rv, int64_t slot_stride,
+                           const int64_t* src, const int64_t* slot, const int64_t* off, int64_t m, int64_t KVH,
+                           int64_t bs, int64_t D, int64_t elem) {
+    const int64_t n = D * elem;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t h = 0; h < KVH; h++) {
+            const int64_t to = (slot[i] * slot_stride + (h * bs + off[i]) * D) * elem;
+            memcpy(rk + to, k + (src[i] * krow + h * D) * elem, (size_t)n);
+            memcpy(rv + to, v + (src[i] * vrow + h * D) * elem, (size_t)n);
+        }
 }
 
 /* x [T, heads, D] bf16 (rows at x + t * xrow, heads contiguous), cos/sin [T, D] bf16, out [T, heads, D]:
@@ -262,14 +276,32 @@ class NativeKernels:
             fn = getattr(lib, name)
             fn.restype = ctypes.c_int
             fn.argtypes = [_P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I,
-                           ctypes.c_float, _I, _I]
+                           ctypes.c_float, _I, _I, _I]
             self._fns[dtype] = fn
         self._norm = lib.kvmesh_rms_norm_bf16
         self._norm.restype = None
         self._norm.argtypes = [_P, _I, _P, _P, _I, _I, ctypes.c_float]
+        self._write = lib.kvmesh_residual_write
+        self._write.restype = None
+        self._write.argtypes = [_P, _P, _I, _I, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I]
         self._rope = lib.kvmesh_rope_bf16
         self._rope.restype = None
         self._rope.argtypes = [_P, _I, _I, _P, _P, _P, _I, _I]
+
+    def residual_write(self, k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, rk: torch.Tensor,
+                       rv: torch.Tensor, slot: torch.Tensor, off: torch.Tensor) -> None:
+        """rk/rv[slot[i], :, off[i]] = k/v[src[i]]: k, v [T, KVH, D] (token rows may be strided, heads
+        dense), rk/rv [S, KVH, bs, D] of k's dtype (one layer's residual slots), src/slot/off int64 [m]."""
+        T, KVH, D = k.shape
+        bs = rk.shape[2]
+        if (k.stride()[1:] != (D, 1) or v.stride()[1:] != (D, 1) or rk.dtype != k.dtype or v.dtype != k.dtype
+                or rk.stride() != rv.stride() or rk.stride()[1:] != (bs * D, D, 1)):
+            raise ValueError("NativeKernels.residual_write: wants dense [KVH, D] rows of one dtype")
+        for t in (src, slot, off):
+            if t.dtype != torch.int64 or not t.is_contiguous():
+                raise ValueError("NativeKernels.residual_write: index tensors must be contiguous int64")
+        self._write(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), rk.data_ptr(), rv.data_ptr(), rk.stride(0),
+                    src.data_ptr(), slot.data_ptr(), off.data_ptr(), src.numel(), KVH, bs, D, k.element_size())
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D] bf16 (rows may be strided, heads dense), cos/sin [T, 1, D] bf16 -> rotated
@@ -310,8 +342,10 @@ class NativeKernels:
         fn = self._fns[q.dtype]
         if q.stride()[1:] != (D, 1):
             q = q.contiguous()
-        if k.stride() != v.stride() or k.stride()[1:] != (D, 1):
-            k, v = k.contiguous(), v.contiguous()
+        if k.stride()[1:] != (D, 1):
+            k = k.contiguous()
+        if v.stride()[1:] != (D, 1):
+            v = v.contiguous()
         for t in (kpages, vpages, rk, rv):  # rows of [KVH, bs, D] must be dense
             if t.dtype != q.dtype or t.stride()[1:] != (bs * D, D, 1):
                 raise ValueError(f"NativeKernels: cache view {tuple(t.shape)} {t.dtype} strides {t.stride()}")
@@ -327,7 +361,7 @@ class NativeKernels:
         rc = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), kpages.data_ptr(), vpages.data_ptr(), kpages.stride(0),
                 table.data_ptr(), table.stride(0) if table.dim() == 2 else 0, nfull.data_ptr(), rk.data_ptr(),
                 rv.data_ptr(), rk.stride(0), slots.data_ptr(), ntail.data_ptr(), out.data_ptr(), G, H, KVH, bs, D,
-                float(scale), q.stride(0), k.stride(0))
+                float(scale), q.stride(0), k.stride(0), v.stride(0))
         if rc == 2:
             raise ValueError(f"NativeKernels.attend: head_dim {D} > 512")
         if rc != 0:
