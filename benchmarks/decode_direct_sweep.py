@@ -6,7 +6,8 @@ decode kernel and SDPA over contiguous fp16, on the H200, in one run:
 Same cases, data and timing as benchmarks/kernels.py (CUDA-graph replays, CUDA events, median). Each
 variant is first checked against the plain kernel on the same cache (relative L2), so a fast wrong
 variant shows as wrong. Variants: the launcher's own choice ("default"), the split reduction fused
-into the last split or not, half or twice the launcher's split count. Earlier variants (scores
+into the last split or not, half or twice the launcher's split count, a bf16 model (q, new K/V and
+residual tails in bf16; checked against the plain kernel on its own bf16 cache). Earlier variants (scores
 untransposed, no prefetch, L2 prefetch, lazy rescaling, register caps) and their numbers:
 docs/decode_direct.md.
 """
@@ -25,8 +26,8 @@ from kvmesh.kernels.decode_attention import decode_attention
 from kvmesh.kernels.decode_direct import decode_direct
 from kvmesh.kernels.splits import num_sms, num_splits
 
-VARIANTS = [dict(), dict(fused=False), dict(fused=True), dict(split_scale=0.5), dict(split_scale=0.5, fused=True),
-            dict(split_scale=2), dict(split_scale=2, fused=True)]
+VARIANTS = [dict(), dict(fused=False), dict(fused=True), dict(split_scale=0.5), dict(split_scale=2),
+            dict(bf16=True)]
 
 
 def main() -> None:
@@ -57,6 +58,9 @@ def main() -> None:
         scale = kb.D ** -0.5
         for kv in args.dtypes.split(","):
             cache = kb.filled_cache(kv, k_rows, v_rows, n_pages, perm)
+            cache_bf = kb.filled_cache(kv, k_rows, v_rows, n_pages, perm, torch.bfloat16)
+            qb, knb, vnb = q.bfloat16(), kn.bfloat16(), vn.bfloat16()
+            ref_bf = decode_attention(cache_bf, 0, qb, knb, vnb, meta, scale, direct=False)
             meta = kb.decode_meta(batch, ctx, perm, cache.layout)
             ideal = 16 / (8 * cache.layout.bytes_per_token / (2 * kb.KVH * kb.D))
             ref = decode_attention(cache, 0, q, kn, vn, meta, scale, direct=False)
@@ -67,19 +71,22 @@ def main() -> None:
                 name = ",".join(f"{k}={v}" for k, v in var.items()) or "default"
                 try:
                     kw, splits = dict(var), None
+                    c, qq, kk, vv, r = cache, q, kn, vn, ref
+                    if kw.pop("bf16", False):
+                        c, qq, kk, vv, r = cache_bf, qb, knb, vnb, ref_bf
                     if "split_scale" in kw:  # relative to the launcher's count (16 programs per SM)
                         auto = num_splits(batch, kb.KVH, ctx + 1, num_sms(q.device), 16, 16)
                         splits = max(1, int(auto * kw.pop("split_scale")))
                         name += f" ({splits} splits)"
-                    out = decode_direct(cache, 0, q, kn, vn, meta, scale, splits=splits, **kw)
-                    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                    t = kb.time_ms(lambda: decode_direct(cache, 0, q, kn, vn, meta, scale, splits=splits, **kw),
+                    out = decode_direct(c, 0, qq, kk, vv, meta, scale, splits=splits, **kw)
+                    err = ((out.float() - r.float()).norm() / r.float().norm()).item()
+                    t = kb.time_ms(lambda: decode_direct(c, 0, qq, kk, vv, meta, scale, splits=splits, **kw),
                                    args.reps)
                     rows.append((f"{batch}x{ctx}", kv, name, t, t_sdpa / t, ideal, err))
                     kb.log(f"  {kv} {name}: {t:.3f} ms {t_sdpa / t:.2f}x (err vs plain {err:.1e})")
                 except Exception:
                     kb.log(f"  {kv} {name} FAILED:\n{traceback.format_exc()}")
-            del cache
+            del cache, cache_bf
             torch.cuda.empty_cache()
     print("\n| case | kv | kernel | ms | vs SDPA | ideal | rel. L2 vs plain |\n|---|---|---|---|---|---|---|")
     for case, kv, name, t, sp, ideal, err in rows:

@@ -115,12 +115,12 @@ def model_dtype_for(kv: str) -> torch.dtype:
 
 
 def filled_cache(kv: str, k_rows: torch.Tensor, v_rows: torch.Tensor, n_pages: int,
-                 perm: torch.Tensor) -> KVCache:
+                 perm: torch.Tensor, model_dtype: torch.dtype | None = None) -> KVCache:
     """A one-layer cache whose page perm[i] holds rows i*BS..(i+1)*BS of k_rows/v_rows [N, KVH, D]."""
     layout = BlockLayout(num_layers=1, kv_heads=KVH, head_dim=D, block_size=BS, kv_dtype=kv)
-    cache = KVCache(layout, n_pages, 1, model_dtype_for(kv), "cuda")
+    dt = model_dtype or model_dtype_for(kv)
+    cache = KVCache(layout, n_pages, 1, dt, "cuda")
     rows = torch.arange(n_pages * BS, device="cuda").view(n_pages, BS) + BS  # S = 1 slot, then new rows
-    dt = model_dtype_for(kv)
     for i in range(0, n_pages, 8192):
         j = min(n_pages, i + 8192)
         write_blocks(cache, 0, k_rows[i * BS:j * BS].to(dt), v_rows[i * BS:j * BS].to(dt),

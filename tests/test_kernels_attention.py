@@ -192,6 +192,9 @@ def test_gpu_direct_decode(kv, gqa, head_dim, bs):
     for fused in (False, True):  # the split reduction in a second launch or in the last split
         check(kv, gqa, head_dim, bs, lens, [1] * len(lens), kv_heads=8, device="cuda", num_layers=2,
               model_dtype=torch.float16, seed=3, attend=lambda *a: decode_direct(*a, splits=3, fused=fused))
+    for splits in (None, 5):  # a bf16 model: q, new K/V and tails to fp16 by powers of two; out in bf16
+        check(kv, gqa, head_dim, bs, lens, [1] * len(lens), kv_heads=8, device="cuda", num_layers=2,
+              model_dtype=torch.bfloat16, seed=4, attend=lambda *a: decode_attention(*a, splits=splits, direct=True))
 
 
 @pytest.mark.gpu

@@ -97,15 +97,18 @@ def test_greedy_generation_matches_torch_backend(kv):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "int8"])
-def test_gpu_fp16_model_direct_decode_matches_torch_backend(kv):
-    # an fp16 model with head_dim 64: decode steps take the register-direct kernel (decode_direct.py),
-    # prefill the prefill kernel, and each step's cache write feeds the next step's direct read
-    model = tiny_model("cuda", head_dim=64).half()
+def test_gpu_half_model_direct_decode_matches_torch_backend(kv, dtype):
+    # fp16 / bf16 models with head_dim 64: decode steps take the register-direct kernel
+    # (decode_direct.py), prefill the prefill kernel, and each step's cache write feeds the next
+    # step's direct read
+    model = tiny_model("cuda", head_dim=64).to(dtype)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 256, (37,), generator=g).tolist(), torch.randint(0, 256, (9,), generator=g).tolist()]
-    want, want_logits = generate(model, TorchBackend(), kv, prompts, 12, "cuda", torch.float16)
-    got, got_logits = generate(model, TritonBackend(), kv, prompts, 12, "cuda", torch.float16)
+    want, want_logits = generate(model, TorchBackend(), kv, prompts, 12, "cuda", dtype)
+    got, got_logits = generate(model, TritonBackend(), kv, prompts, 12, "cuda", dtype)
     err = ((got_logits.float() - want_logits.float()).norm() / want_logits.float().norm()).item()
-    assert err < 1e-2, f"{kv}: logits relative L2 {err:.2e}"  # fp16 model: both paths round in fp16
+    tol = 1e-2 if dtype == torch.float16 else 3e-2  # both paths round activations to the model dtype
+    assert err < tol, f"{kv} {dtype}: logits relative L2 {err:.2e}"
     assert got == want

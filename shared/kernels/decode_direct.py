@@ -55,10 +55,10 @@ CODE_MAX = {FMT_E4M3: 448.0, FMT_E5M2: 57344.0, FMT_INT8: 127.0}
 def supports(fmt: int, q: torch.Tensor, residual_dtype: torch.dtype, group: int, head_dim: int,
              block_size: int) -> bool:
     """Whether this kernel serves the case (else the plain Triton kernel does): 8-bit pages, an fp16
-    model (q, new K/V and residual tails in fp16), G <= 8 query heads per KV head (the rows and
-    columns of one MMA fragment), 16-token chunks, sm_89+ (the e4m3 pair conversion)."""
+    or bf16 model (q, new K/V and residual tails in that dtype), G <= 8 query heads per KV head (the
+    rows and columns of one MMA fragment), 16-token chunks, sm_89+ (the e4m3 pair conversion)."""
     return (HAVE_GLUON and q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and fmt in FORMATS
-            and q.dtype == torch.float16 and residual_dtype == torch.float16 and 1 <= group <= 8
+            and q.dtype in (torch.float16, torch.bfloat16) and residual_dtype == q.dtype and 1 <= group <= 8
             and head_dim in (64, 128, 256) and block_size % CHUNK == 0
             and torch.cuda.get_device_capability(q.device) >= (8, 9))
 
@@ -133,6 +133,16 @@ if HAVE_GLUON:
         x = gl.join(gl.reshape(_pairs(lo), [w.shape[0], w.shape[1], 2]),
                     gl.reshape(_pairs(hi), [w.shape[0], w.shape[1], 2]))  # [16, D/4, 2 (pair), 2]
         return gl.reshape(gl.permute(x, [0, 1, 3, 2]), [w.shape[0], 4 * w.shape[1]])
+
+    @gluon.jit
+    def _to_fp16(x, valid_rows):
+        """A bf16 tile [16, D] -> (fp16 tile, power-of-two factor f) with tile = fp16(x / f): bf16's
+        8-bit significands fit fp16's 11, so only the range needs care; f keeps the largest value
+        <= 2**14 (exact: a power of two), and the caller multiplies f back into a scale."""
+        x = gl.where(valid_rows[:, None], x.to(gl.float32), 0.0)
+        amax = gl.max(gl.max(gl.abs(x), axis=1), axis=0)
+        f = gl.exp2(gl.maximum(gl.ceil(gl.log2(gl.maximum(amax, 1.0) / 16384.0)), 0.0))
+        return (x * (1.0 / f)).to(gl.float16), f
 
     @gluon.jit
     def _halves(x):
@@ -218,19 +228,19 @@ if HAVE_GLUON:
             wsum = wsum + w
         o = acc / gl.where(wsum > 0.0, wsum, 1.0)[:, None]
         op = out_ptr + b.to(gl.int64) * stride_ob + ((kvh * G + h) * stride_oh)[:, None] + d[None, :]
-        gl.store(op, o.to(gl.float16), mask=hm[:, None])
+        gl.store(op, o.to(out_ptr.dtype.element_ty), mask=hm[:, None])
 
     @gluon.jit(do_not_specialize=["num_splits"])
     def decode_direct_kernel(
-        q_ptr,  # fp16 [B, H, D] new queries
-        k_ptr,  # fp16 [B, KVH, D] new keys
-        v_ptr,  # fp16 [B, KVH, D] new values
-        out_ptr,  # fp16 [B, H, D] output (PARTIAL == False)
+        q_ptr,  # fp16 or bf16 [B, H, D] new queries
+        k_ptr,  # [B, KVH, D] new keys (q's dtype)
+        v_ptr,  # [B, KVH, D] new values
+        out_ptr,  # [B, H, D] output (q's dtype; PARTIAL == False, or FUSED)
         part_out_ptr,  # fp32 [B, H, splits, D] normalized partial outputs (PARTIAL)
         part_lse_ptr,  # fp32 [B, H, splits] log2-sum-exp of each partial (PARTIAL)
         count_ptr,  # int32 [>= B * KVH] zeros: splits done per (sequence, KV head) (FUSED; reset to 0)
         pool_ptr,  # uint8 [num_pages, page_bytes]
-        res_ptr,  # fp16 [num_slots, layers, 2, KVH, BS, D] residual tails
+        res_ptr,  # [num_slots, layers, 2, KVH, BS, D] residual tails (q's dtype)
         prefix_lens_ptr,  # int32 [B]
         block_tables_ptr,  # int32 [B, max_pages]
         residual_slots_ptr,  # int32 [B]
@@ -245,6 +255,7 @@ if HAVE_GLUON:
         KVH: gl.constexpr, G: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, PARTIAL: gl.constexpr,
         CMAX: gl.constexpr,  # the format's largest code: V scales ride on p times it
         FUSED: gl.constexpr,  # the last split of each (sequence, KV head) reduces the partials
+        BF16: gl.constexpr,  # a bf16 model (q, new K/V, residual and output in bf16)
     ):
         LK: gl.constexpr = k_layout(D, False)
         LV: gl.constexpr = v_layout(D, False)
@@ -271,6 +282,9 @@ if HAVE_GLUON:
         # MMA operand with constants in it is rebuilt by register copies at every use.
         q = gl.load(q_ptr + b.to(gl.int64) * stride_qb + ((kvh * G + tk) * stride_qh)[:, None] + ck[None, :],
                     mask=(tk < g_rows)[:, None], other=0.0)  # [16, D]
+        if BF16:  # a bf16 model: q in fp16 times a power of two (exact), which joins the softmax scale
+            q, fq = _to_fp16(q, tk < g_rows)
+            qk_scale = qk_scale * fq
         q_op = gl.convert_layout(gl.permute(_halves(gl.permute(_k_operand(q, D), [1, 0])), [1, 0]), B_OP)
         OFFSET: gl.constexpr = FMT == 5  # int8 key codes decoded as code + 1152 (see _codes_fp16)
         kcorr = 0.0
@@ -312,7 +326,12 @@ if HAVE_GLUON:
                 kf = gl.load(pk, mask=(rows_k <= n_tail)[:, None], other=0.0)
                 vf = gl.load(pv, mask=(rows_v <= n_tail)[:, None], other=0.0)
                 valid = (t0 + gl.arange(0, CHUNK_C, layout=TL)) <= n_tail
-                acc, m_i, l_i = _chunk(acc, m_i, l_i, q_op, kcorr, kf, vf, 1.0, CMAX, qk_scale, valid, True,
+                fk = 1.0
+                fv = 1.0
+                if BF16:
+                    kf, fk = _to_fp16(kf, rows_k <= n_tail)
+                    vf, fv = _to_fp16(vf, rows_v <= n_tail)
+                acc, m_i, l_i = _chunk(acc, m_i, l_i, q_op, kcorr, kf, vf, fk, CMAX * fv, qk_scale, valid, True,
                                        False, D)
 
         # 3. normalize, back to memory channel order, store
@@ -338,7 +357,7 @@ if HAVE_GLUON:
                     gl.store(count_ptr + b * KVH + kvh, 0)  # ready for the next launch
         else:
             op = out_ptr + b.to(gl.int64) * stride_ob + ((kvh * G + h) * stride_oh)[None, :] + chan[:, None]
-            gl.store(op, o.to(gl.float16), mask=(h < G)[None, :])
+            gl.store(op, o.to(out_ptr.dtype.element_ty), mask=(h < G)[None, :])
 
 
 MAXNREG = 128  # 16 one-warp programs per SM (D <= 128); uncapped, int8's prefetching variant took 166
@@ -347,7 +366,7 @@ FUSED_MAX_SPLITS = 4  # one warp reducing 16 splits' partials cost more than the
 
 def decode_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float, *,
                   splits: int | None = None, fused: bool | None = None, maxnreg: int | None = None) -> torch.Tensor:
-    """out [B, H, D] fp16 for q [B, H, D] fp16 (one new token per sequence; k/v [B, KVH, D] its new
+    """out [B, H, D] for q [B, H, D] fp16 or bf16 (one new token per sequence; k/v [B, KVH, D] its new
     K/V) over 8-bit pages; `supports` must hold and the caller (`decode_attention`) has checked the
     arguments. `splits` overrides the split count (from shapes and the compiled kernel's residency),
     `fused` whether the last split reduces (None: up to FUSED_MAX_SPLITS splits), `maxnreg` the
@@ -375,7 +394,7 @@ def decode_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.
         page_stride=L.block_bytes, layer_off=layer * L.layer_bytes,
         slot_stride=res.stride(0), res_layer_off=layer * res.stride(1), qk_scale=scale * LOG2E, g_rows=G,
         V_OFF=L.v_data_offset, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset, FMT=fmt, KVH=L.kv_heads, G=G,
-        BS=L.block_size, D=D, CMAX=CODE_MAX[fmt], FUSED=counters is not None,
+        BS=L.block_size, D=D, CMAX=CODE_MAX[fmt], FUSED=counters is not None, BF16=q.dtype == torch.bfloat16,
         num_warps=1, maxnreg=maxnreg or (MAXNREG if D <= 128 else None))
     if splits is None:
         resident = resident_of("direct", decode_direct_kernel, args, q.device)
