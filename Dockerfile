@@ -11,6 +11,11 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /app
 
+# A C compiler at run time: Triton builds its kernel launchers with it on a GPU, and the CPU serving
+# path compiles its small native library (kernels/cpu_native.py) once; without one both fall back.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
+
 # torch first, from its own index, so that the project's install never pulls a different build.
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
