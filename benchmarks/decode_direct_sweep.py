@@ -58,10 +58,10 @@ def main() -> None:
         scale = kb.D ** -0.5
         for kv in args.dtypes.split(","):
             cache = kb.filled_cache(kv, k_rows, v_rows, n_pages, perm)
+            meta = kb.decode_meta(batch, ctx, perm, cache.layout)
             cache_bf = kb.filled_cache(kv, k_rows, v_rows, n_pages, perm, torch.bfloat16)
             qb, knb, vnb = q.bfloat16(), kn.bfloat16(), vn.bfloat16()
             ref_bf = decode_attention(cache_bf, 0, qb, knb, vnb, meta, scale, direct=False)
-            meta = kb.decode_meta(batch, ctx, perm, cache.layout)
             ideal = 16 / (8 * cache.layout.bytes_per_token / (2 * kb.KVH * kb.D))
             ref = decode_attention(cache, 0, q, kn, vn, meta, scale, direct=False)
             t = kb.time_ms(lambda: decode_attention(cache, 0, q, kn, vn, meta, scale, direct=False), args.reps)
