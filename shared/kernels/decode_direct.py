@@ -39,12 +39,15 @@ import torch
 
 from kvmesh.kernels.formats import FMT_E4M3, FMT_E5M2, FMT_INT8
 
-try:  # Gluon ships with Triton >= 3.5; without it (or on the CPU) the plain kernel runs
+try:  # Gluon ships with Triton >= 3.5 (its API is young: a version whose layouts differ disables it)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
+    A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
+    B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
     HAVE_GLUON = True
-except ImportError:  # pragma: no cover - depends on the installed Triton
+except (ImportError, AttributeError, TypeError):  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
 CHUNK = 16  # tokens per MMA step (the M/K extent of one mma.m16n8k16 fragment)
@@ -65,9 +68,6 @@ def supports(fmt: int, q: torch.Tensor, residual_dtype: torch.dtype, group: int,
 
 if HAVE_GLUON:
     CHUNK_C = gl.constexpr(CHUNK)
-    MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
-    A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
-    B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
 
     @gluon.constexpr_function
     def k_layout(D, WORDS):
