@@ -142,6 +142,29 @@ def test_direct_kernel_declines_the_interpreter():
         decode_attention(cache, 1, q, k, v, meta, 0.125, direct=True)
 
 
+def test_direct_kernel_compile_failure_falls_back(monkeypatch):
+    # a Triton whose Gluon API moved: the first compile failure turns the direct kernel off (once,
+    # with a warning) and the plain kernel answers that call and the next ones
+    import kvmesh.kernels.decode_direct as dd
+    avail = dd.Availability()
+    monkeypatch.setattr(dd, "AVAILABILITY", avail)
+    monkeypatch.setattr(dd, "COMPILE_ERRORS", (RuntimeError,))
+    monkeypatch.setattr(dd, "supports", lambda *a: avail.error is None)
+    calls = []
+
+    def broken(*a, **kw):
+        calls.append(1)
+        raise RuntimeError("gluon changed")
+    monkeypatch.setattr(dd, "decode_direct", broken)
+    cache, meta, q, k, v = make_case("int8", 4, 64, 16, [0, 20, 37], [1, 1, 1], model_dtype=torch.float16)
+    want = decode_attention(cache, 1, q, k, v, meta, 0.125, direct=False)
+    for _ in range(2):
+        assert torch.equal(decode_attention(cache, 1, q, k, v, meta, 0.125), want)
+    assert len(calls) == 1 and isinstance(avail.error, RuntimeError)
+    with pytest.raises(ValueError, match="does not serve"):
+        decode_attention(cache, 1, q, k, v, meta, 0.125, direct=True)
+
+
 def test_num_splits_from_shapes():
     assert num_splits(256, 8, 1024, 132) == 1  # enough programs already
     assert num_splits(8, 8, 32768, 132) > 4  # 64 programs for 132 SMs: split the sequence

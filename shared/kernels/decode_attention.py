@@ -291,7 +291,13 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
     fmt = FMT_CODES[L.kv_dtype]
     if direct is not False:
         if decode_direct.supports(fmt, q, cache.residual.dtype, G, D, L.block_size) and k.dtype == q.dtype:
-            return decode_direct.decode_direct(cache, layer, q, k, v, meta, scale, splits=splits, maxnreg=maxnreg)
+            try:
+                return decode_direct.decode_direct(cache, layer, q, k, v, meta, scale, splits=splits,
+                                                   maxnreg=maxnreg)
+            except decode_direct.COMPILE_ERRORS as e:  # another Triton's Gluon: the plain kernel serves
+                if direct:
+                    raise
+                decode_direct.AVAILABILITY.disable(e)
         if direct:
             raise ValueError(f"the direct decode kernel does not serve kv {L.kv_dtype}, q {q.dtype}, G={G}, "
                              f"D={D}, block size {L.block_size} here")

@@ -33,6 +33,7 @@ KV head) reduces them (a counter per pair), beyond that `reduce_splits_kernel` d
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -46,6 +47,7 @@ try:  # Gluon ships with Triton >= 3.5 (its API is young: a version whose layout
     MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
     A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
     B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
+    cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after Triton 3.6
     HAVE_GLUON = True
 except (ImportError, AttributeError, TypeError):  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
@@ -55,12 +57,36 @@ FORMATS = (FMT_E4M3, FMT_E5M2, FMT_INT8)
 CODE_MAX = {FMT_E4M3: 448.0, FMT_E5M2: 57344.0, FMT_INT8: 127.0}
 
 
+class Availability:
+    """Whether the Gluon kernel compiles with the installed Triton: the first compile failure (a
+    Triton whose Gluon API moved) turns it off for the process with one warning, and decode runs
+    the plain kernel."""
+
+    def __init__(self) -> None:
+        self.error: Exception | None = None
+
+    def disable(self, error: Exception) -> None:
+        logging.getLogger(__name__).warning("direct decode kernel off (%s: %s); the plain Triton kernel "
+                                            "serves 8-bit pages", type(error).__name__, str(error)[:200])
+        self.error = error
+
+
+AVAILABILITY = Availability()
+COMPILE_ERRORS: tuple[type[Exception], ...] = ()
+try:
+    from triton.compiler.errors import CompilationError
+    COMPILE_ERRORS = (CompilationError,)
+except ImportError:  # pragma: no cover
+    pass
+
+
 def supports(fmt: int, q: torch.Tensor, residual_dtype: torch.dtype, group: int, head_dim: int,
              block_size: int) -> bool:
     """Whether this kernel serves the case (else the plain Triton kernel does): 8-bit pages, an fp16
     or bf16 model (q, new K/V and residual tails in that dtype), G <= 8 query heads per KV head (the
     rows and columns of one MMA fragment), 16-token chunks, sm_89+ (the e4m3 pair conversion)."""
-    return (HAVE_GLUON and q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and fmt in FORMATS
+    return (HAVE_GLUON and AVAILABILITY.error is None and q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+            and fmt in FORMATS
             and q.dtype in (torch.float16, torch.bfloat16) and residual_dtype == q.dtype and 1 <= group <= 8
             and head_dim in (64, 128, 256) and block_size % CHUNK == 0
             and torch.cuda.get_device_capability(q.device) >= (8, 9))
@@ -349,7 +375,7 @@ if HAVE_GLUON:
             gl.store(part_lse_ptr + (b.to(gl.int64) * (KVH * G) + kvh * G + hh) * num_splits + split, lse,
                      mask=hh < G)
             if FUSED:
-                gl.thread_barrier()  # every lane's partial is written before the count says so
+                cta_barrier()  # every lane's partial is written before the count says so
                 done = gl.atomic_add(count_ptr + b * KVH + kvh, 1, sem="acq_rel", scope="gpu")
                 if done == num_splits - 1:
                     _reduce_splits(part_out_ptr, part_lse_ptr, out_ptr, b, kvh, stride_ob, stride_oh, num_splits,
