@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kvmesh.kernels import decode_direct
+from kvmesh.kernels.decode_int4 import decode_int4
 from kvmesh.kernels.backend import AttentionMetadata
 from kvmesh.kernels.formats import (FMT_BF16, FMT_CODES, FMT_E4M3, FMT_E5M2, FMT_FP16, FMT_FP32,
                                     FMT_INT4, FMT_INT8)
@@ -279,7 +280,6 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
     (`direct=None`); `direct=False` forces this kernel, `direct=True` requires the other (a
     ValueError says why where it cannot serve)."""
     if FMT_CODES[cache.layout.kv_dtype] == FMT_INT4:  # scales folded out of the tiles (decode_int4.py)
-        from kvmesh.kernels.decode_int4 import decode_int4  # imports this module
         return decode_int4(cache, layer, q, k, v, meta, scale, splits=splits, programs_per_sm=programs_per_sm)
     if meta.max_query_len != 1 or q.shape[0] != meta.num_seqs:
         raise ValueError(f"decode needs one new token per sequence: max_query_len={meta.max_query_len}, "

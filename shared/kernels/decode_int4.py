@@ -30,10 +30,10 @@ import triton
 import triton.language as tl
 
 from kvmesh.kernels.backend import AttentionMetadata
-from kvmesh.kernels.splits import RESIDENCY, num_sms, num_splits
 from kvmesh.kernels.formats import FMT_INT4
 from kvmesh.kernels.int4_codec import HEADER
-from kvmesh.kernels.paged_attention import LOG2E, _cast_out, _check, _dot_dtype, reduce_splits_kernel
+from kvmesh.kernels.paged_attention import LOG2E, _cast_out, _check, _dot_dtype
+from kvmesh.kernels.splits import launch_split, num_sms, num_splits, resident_of
 from kvmesh.kv.pool import KVCache
 
 # Defaults from the sm_90 compile (triton 3.6): one page stream of one warp issues the fewest
@@ -271,25 +271,7 @@ def decode_int4(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v:
         DOT=_dot_dtype(FMT_INT4, q), ASM=asm, num_warps=num_warps, num_stages=num_stages,
         **({} if maxnreg is None else {"maxnreg": maxnreg}))
     if splits is None:
-        resident = programs_per_sm
-        if not resident:
-            key = ("int4",) + tuple(v for n, v in args.items() if n.isupper() or n.startswith("num_")) + (
-                q.dtype, q.device)
-            one = torch.empty(1, dtype=torch.float32, device=q.device)
-            resident = RESIDENCY.get(key, q.device, lambda: decode_int4_kernel.warmup(
-                **args, part_out_ptr=one, part_lse_ptr=one, num_splits=2, PARTIAL=True, grid=(1,)))
+        resident = programs_per_sm or resident_of("int4", decode_int4_kernel, args, q.device)
         splits = num_splits(B, L.kv_heads, meta.max_prefix_len + 1, num_sms(q.device), resident,
                             pages * L.block_size)
-    if splits > 1:
-        part_out = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_lse = out  # unused
-    decode_int4_kernel[(B, L.kv_heads, splits)](**args, part_out_ptr=part_out, part_lse_ptr=part_lse,
-                                                num_splits=splits, PARTIAL=splits > 1)
-    if splits > 1:
-        reduce_splits_kernel[(B, H)](
-            part_out_ptr=part_out, part_lse_ptr=part_lse, out_ptr=out,
-            stride_ot=out.stride(0), stride_oh=out.stride(1),
-            H=H, SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), D=D, num_warps=4)
-    return out
+    return launch_split(decode_int4_kernel, out, L.kv_heads, splits, args)
