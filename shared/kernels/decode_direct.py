@@ -10,18 +10,10 @@ converts them in registers: no shared memory, no barriers, ~290 instructions per
 warp, and the pages stream at 96-99 % of the read bandwidth (docs/kernels.md).
 
 How the bytes land in the fragments (mma.m16n8k16, one warp per program, 16-token chunks):
-- S^T = K . q^T: K is the A operand [16 tokens, D]; a thread holds, of tokens lane/4 and lane/4 + 8,
-  the channel pairs {2t, 2t+1, 2t+8, 2t+9} of every 16-channel k-step (t = lane % 4). A dot product
-  does not care about channel order, so logical channel k is memory channel
-      c = (D/4) t + 4 j + 2 ph + pl    for k = 16 j + 8 ph + 2 t + pl
-  and each thread's D/4 memory channels of a token are contiguous. q^T (the B operand [D, 8], the
-  G <= 8 query heads of the KV head) is permuted the same way once per program.
-- O^T = V^T . P^T: V^T is the A operand [D, 16 tokens]; a thread holds tokens {2t, 2t+1, 2t+8,
-  2t+9} and logical channels m = lane/4 + 8 i, memory channel c = (D/8) (lane/4) + i: D/8
-  contiguous bytes per token. The output is un-permuted when stored.
-- S^T's accumulator has the heads where O^T keeps them, so the softmax statistics need no layout
-  change; P^T moves into the B operand by a few warp shuffles.
-The layout identities are checked at compile time (`convert_layout(..., assert_trivial=True)`).
+`mma_fragments.py`. Scores are transposed, S^T = K . q^T: q^T (the B operand [D, 8], the G <= 8
+query heads of the KV head) takes 16 registers, and S^T's accumulator has the heads where
+O^T = V^T . P^T keeps them, so the softmax statistics need no layout change; P^T moves into the B
+operand by a few warp shuffles. The output is un-permuted when stored.
 
 Scales: the page's (fp8) or each token's (int8) K scale multiplies the scores; the V scale rides on
 p, times the format's largest code C (p * s * C = p * absmax stays in fp16's normal range), and the
@@ -40,19 +32,16 @@ import torch
 
 from kvmesh.kernels.formats import FMT_E4M3, FMT_E5M2, FMT_INT8
 
-try:  # Gluon ships with Triton >= 3.5 (its API is young: a version whose layouts differ disables it)
+from kvmesh.kernels.mma_fragments import CHUNK, HAVE_GLUON
+
+if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-    MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
-    A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
-    B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
-    cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after Triton 3.6
-    HAVE_GLUON = True
-except (ImportError, AttributeError, TypeError):  # pragma: no cover - depends on the installed Triton
-    HAVE_GLUON = False
 
-CHUNK = 16  # tokens per MMA step (the M/K extent of one mma.m16n8k16 fragment)
+    from kvmesh.kernels.mma_fragments import (A_OP, B_OP, CHUNK_C, MMA, codes_fp16, halves, k_layout,
+                                              k_logical, k_operand, to_fp16, v_layout, v_operand)
+    cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after Triton 3.6
 FORMATS = (FMT_E4M3, FMT_E5M2, FMT_INT8)
 CODE_MAX = {FMT_E4M3: 448.0, FMT_E5M2: 57344.0, FMT_INT8: 127.0}
 
@@ -93,89 +82,6 @@ def supports(fmt: int, q: torch.Tensor, residual_dtype: torch.dtype, group: int,
 
 
 if HAVE_GLUON:
-    CHUNK_C = gl.constexpr(CHUNK)
-
-    @gluon.constexpr_function
-    def k_layout(D, WORDS):
-        """[16 tokens, D memory channels] (or [16, D/4] 32-bit words with WORDS): a thread holds D/4
-        contiguous channels of tokens lane/4 and lane/4 + 8 (see the module docstring)."""
-        per = D // 16 if WORDS else D // 4  # elements per thread per token
-        return gl.DistributedLinearLayout(
-            reg_bases=[[0, 1 << i] for i in range(per.bit_length() - 1)] + [[8, 0]],
-            lane_bases=[[0, per], [0, 2 * per], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[], block_bases=[], shape=[CHUNK_C, D // 4 if WORDS else D])
-
-    @gluon.constexpr_function
-    def v_layout(D, WORDS):
-        """[16 tokens, D memory channels] (or [16, D/4] words): a thread holds D/8 contiguous
-        channels (from (D/8) * (lane/4)) of tokens 2t, 2t+1, 2t+8, 2t+9."""
-        per = D // 32 if WORDS else D // 8
-        return gl.DistributedLinearLayout(
-            reg_bases=[[0, 1 << i] for i in range(per.bit_length() - 1)] + [[1, 0], [8, 0]],
-            lane_bases=[[2, 0], [4, 0], [0, per], [0, 2 * per], [0, 4 * per]],
-            warp_bases=[], block_bases=[], shape=[CHUNK_C, D // 4 if WORDS else D])
-
-    @gluon.jit
-    def _k_operand(x, D: gl.constexpr):
-        """fp16 [16, D] in k_layout (memory channel order) -> K^T [D, 16] as the B operand, logical
-        channel k = 16 j + 8 ph + 2 t + pl for memory channel (D/4) t + 4 j + 2 ph + pl."""
-        x = gl.reshape(gl.permute(gl.reshape(x, [CHUNK_C, 4, D // 16, 2, 2]), [0, 2, 3, 1, 4]), [CHUNK_C, D])
-        return gl.convert_layout(gl.permute(x, [1, 0]), B_OP, assert_trivial=True)
-
-    @gluon.jit
-    def _v_operand(x, D: gl.constexpr):
-        """fp16 [16, D] in v_layout -> V^T [D, 16] as the A operand, logical channel m = g + 8 i for
-        memory channel (D/8) g + i (only registers are reordered: each pair of tokens is packed)."""
-        x = gl.reshape(gl.permute(gl.reshape(x, [CHUNK_C, 8, D // 8]), [0, 2, 1]), [CHUNK_C, D])
-        return gl.convert_layout(gl.permute(x, [1, 0]), A_OP)
-
-    @gluon.jit
-    def _pairs(w):
-        """uint32 [N, W] of fp16 pairs -> fp16 [N, 2W] (low half first); only registers are renamed."""
-        return gl.reshape(gl.join((w & 0xFFFF).to(gl.uint16), (w >> 16).to(gl.uint16)),
-                          [w.shape[0], 2 * w.shape[1]]).to(gl.float16, bitcast=True)
-
-    @gluon.jit
-    def _codes_fp16(w, FMT: gl.constexpr, OFFSET: gl.constexpr):
-        """uint32 [16, D/4] words of four 8-bit codes -> fp16 [16, D], exact and two codes per
-        instruction: e4m3 by the hardware pair conversion, e5m2 as the high byte of each half, int8
-        as fp16(0x6400 | code ^ 0x80) = code + 1152 (no integer-to-float conversion), less 1152 unless
-        OFFSET (keys: the caller takes 1152 x sum(q) off the scores once). The pages are carried across
-        loop iterations as words: carried as bytes, each would take a register."""
-        if FMT == 3:
-            asm: gl.constexpr = """{ .reg .b16 l, h; mov.b32 {l, h}, $2;
-                cvt.rn.f16x2.e4m3x2 $0, l; cvt.rn.f16x2.e4m3x2 $1, h; }"""
-        elif FMT == 4:
-            asm: gl.constexpr = "prmt.b32 $0, $2, 0, 0x1404; prmt.b32 $1, $2, 0, 0x3424;"
-        elif OFFSET:
-            asm: gl.constexpr = """{ .reg .b32 x; xor.b32 x, $2, 0x80808080;
-                prmt.b32 $0, x, 0x64646464, 0x5140; prmt.b32 $1, x, 0x64646464, 0x7362; }"""
-        else:
-            asm: gl.constexpr = """{ .reg .b32 x, c; xor.b32 x, $2, 0x80808080; mov.b32 c, 0x64806480;
-                prmt.b32 $0, x, 0x64646464, 0x5140; prmt.b32 $1, x, 0x64646464, 0x7362;
-                sub.rn.f16x2 $0, $0, c; sub.rn.f16x2 $1, $1, c; }"""
-        lo, hi = gl.inline_asm_elementwise(asm=asm, constraints="=r,=r,r", args=[w],
-                                           dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
-        x = gl.join(gl.reshape(_pairs(lo), [w.shape[0], w.shape[1], 2]),
-                    gl.reshape(_pairs(hi), [w.shape[0], w.shape[1], 2]))  # [16, D/4, 2 (pair), 2]
-        return gl.reshape(gl.permute(x, [0, 1, 3, 2]), [w.shape[0], 4 * w.shape[1]])
-
-    @gluon.jit
-    def _to_fp16(x, valid_rows):
-        """A bf16 tile [16, D] -> (fp16 tile, power-of-two factor f) with tile = fp16(x / f): bf16's
-        8-bit significands fit fp16's 11, so only the range needs care; f keeps the largest value
-        <= 2**14 (exact: a power of two), and the caller multiplies f back into a scale."""
-        x = gl.where(valid_rows[:, None], x.to(gl.float32), 0.0)
-        amax = gl.max(gl.max(gl.abs(x), axis=1), axis=0)
-        f = gl.exp2(gl.maximum(gl.ceil(gl.log2(gl.maximum(amax, 1.0) / 16384.0)), 0.0))
-        return (x * (1.0 / f)).to(gl.float16), f
-
-    @gluon.jit
-    def _halves(x):
-        """[16, N] -> its rows 0-7 [8, N], where the row + 8 bit is a register bit (nothing moves)."""
-        lo, hi = gl.split(gl.permute(gl.reshape(x, [2, 8, x.shape[1]]), [1, 2, 0]))
-        return lo
-
     @gluon.jit
     def _step(acc, m_i, l_i, st, vt, vs):
         """One online-softmax step: st = S^T [16 tokens, 8 heads] scaled (and masked) scores in base
@@ -196,14 +102,13 @@ if HAVE_GLUON:
         [16, 8] = 1152 x each head's sum of q comes off the raw scores. (The same for values, 1152 x
         the sum of the weights off the output, cancels too much: 2e-2 relative error at 32k random
         tokens, whose average value is near zero.)"""
-        x = gl.reshape(gl.permute(gl.reshape(kf, [CHUNK_C, 4, D // 16, 2, 2]), [0, 2, 3, 1, 4]), [CHUNK_C, D])
-        st = mma_v2(gl.convert_layout(x, A_OP), q_op, gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA))
+        st = mma_v2(k_operand(kf, D), q_op, gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA))
         if OFFSET:
             st = st - kcorr
         st = st * (ks * qk_scale)
         if MASK:
             st = gl.where(valid[:, None], st, float("-inf"))
-        return _step(acc, m_i, l_i, st, _v_operand(vf, D), vs)
+        return _step(acc, m_i, l_i, st, v_operand(vf, D), vs)
 
     @gluon.jit
     def _load_chunk(pool_ptr, bt_row, chunk, kvh, page_stride, layer_off, tk, wk, tv, wv,
@@ -309,10 +214,11 @@ if HAVE_GLUON:
         q = gl.load(q_ptr + b.to(gl.int64) * stride_qb + ((kvh * G + tk) * stride_qh)[:, None] + ck[None, :],
                     mask=(tk < g_rows)[:, None], other=0.0)  # [16, D]
         if BF16:  # a bf16 model: q in fp16 times a power of two (exact), which joins the softmax scale
-            q, fq = _to_fp16(q, tk < g_rows)
+            q, fq = to_fp16(q, tk < g_rows)
             qk_scale = qk_scale * fq
-        q_op = gl.convert_layout(gl.permute(_halves(gl.permute(_k_operand(q, D), [1, 0])), [1, 0]), B_OP)
-        OFFSET: gl.constexpr = FMT == 5  # int8 key codes decoded as code + 1152 (see _codes_fp16)
+        q_op = gl.convert_layout(gl.permute(halves(k_logical(q, D)), [1, 0]), B_OP,
+                                 assert_trivial=True)  # q^T [D, 8]
+        OFFSET: gl.constexpr = FMT == 5  # int8 key codes decoded as code + 1152 (see codes_fp16)
         kcorr = 0.0
         if OFFSET:  # 1152 x sum of each head's q, through the same MMA as the scores: [16, 8]
             kcorr = mma_v2(gl.full([CHUNK_C, D], 1152.0, gl.float16, layout=A_OP), q_op,
@@ -333,8 +239,8 @@ if HAVE_GLUON:
         for c in range(lo, hi):
             kb_n, vb_n, ks_n, vs_n = _load_chunk(pool_ptr, bt_row, gl.minimum(c + 1, hi - 1), kvh, page_stride,
                                                  layer_off, tkw, wk, tvw, wv, V_OFF, KS_OFF, VS_OFF, FMT, BS, D)
-            acc, m_i, l_i = _chunk(acc, m_i, l_i, q_op, kcorr, _codes_fp16(kb, FMT, OFFSET),
-                                   _codes_fp16(vb, FMT, False), ks, vs * CMAX, qk_scale, every, False, OFFSET, D)
+            acc, m_i, l_i = _chunk(acc, m_i, l_i, q_op, kcorr, codes_fp16(kb, FMT, OFFSET),
+                                   codes_fp16(vb, FMT, False), ks, vs * CMAX, qk_scale, every, False, OFFSET, D)
             kb, vb, ks, vs = kb_n, vb_n, ks_n, vs_n
 
         # 2. the last split: residual tail (prefix % BS tokens, fp16) and the new token, masked
@@ -355,8 +261,8 @@ if HAVE_GLUON:
                 fk = 1.0
                 fv = 1.0
                 if BF16:
-                    kf, fk = _to_fp16(kf, rows_k <= n_tail)
-                    vf, fv = _to_fp16(vf, rows_v <= n_tail)
+                    kf, fk = to_fp16(kf, rows_k <= n_tail)
+                    vf, fv = to_fp16(vf, rows_v <= n_tail)
                 acc, m_i, l_i = _chunk(acc, m_i, l_i, q_op, kcorr, kf, vf, fk, CMAX * fv, qk_scale, valid, True,
                                        False, D)
 

@@ -1,0 +1,123 @@
+"""Where a 16-token chunk of a page lands in mma.m16n8k16 fragments, for `decode_direct.py`: the
+distributed layouts each thread loads its bytes in, the relabelings that turn them into MMA operands
+without moving data, and 8-bit codes to fp16 two per instruction (Gluon; GPU only).
+
+- K is the A operand [16 tokens, D] of S^T = K . q^T: a thread holds, of tokens lane/4 and
+  lane/4 + 8, the channel pairs {2t, 2t+1, 2t+8, 2t+9} of every 16-channel k-step (t = lane % 4). A
+  dot product does not care about channel order, so logical channel k is memory channel
+      c = (D/4) t + 4 j + 2 ph + pl    for k = 16 j + 8 ph + 2 t + pl
+  and each thread's D/4 memory channels of a token are contiguous (16-byte loads). q^T (the B
+  operand [D, 8]) takes the same permutation.
+- V^T is the A operand [D, 16 tokens] of O^T = V^T . P^T: a thread holds tokens {2t, 2t+1, 2t+8,
+  2t+9} and logical channels m = lane/4 + 8 i, memory channel c = (D/8) (lane/4) + i: D/8
+  contiguous bytes per token.
+Relabelings that must move nothing are checked at compile time (`assert_trivial=True`).
+"""
+try:  # Gluon ships with Triton >= 3.5 (its API is young: a version whose layouts differ disables it)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
+    A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
+    B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
+    HAVE_GLUON = True
+except (ImportError, AttributeError, TypeError):  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
+
+CHUNK = 16  # tokens per MMA step (the M/K extent of one mma.m16n8k16 fragment)
+
+if HAVE_GLUON:
+    CHUNK_C = gl.constexpr(CHUNK)
+
+    @gluon.constexpr_function
+    def k_layout(D, WORDS):
+        """[16 tokens, D memory channels] (or [16, D/4] 32-bit words with WORDS): a thread holds D/4
+        contiguous channels of tokens lane/4 and lane/4 + 8 (see the module docstring)."""
+        per = D // 16 if WORDS else D // 4  # elements per thread per token
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 1 << i] for i in range(per.bit_length() - 1)] + [[8, 0]],
+            lane_bases=[[0, per], [0, 2 * per], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[], block_bases=[], shape=[CHUNK_C, D // 4 if WORDS else D])
+
+
+    @gluon.constexpr_function
+    def v_layout(D, WORDS):
+        """[16 tokens, D memory channels] (or [16, D/4] words): a thread holds D/8 contiguous
+        channels (from (D/8) * (lane/4)) of tokens 2t, 2t+1, 2t+8, 2t+9."""
+        per = D // 32 if WORDS else D // 8
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 1 << i] for i in range(per.bit_length() - 1)] + [[1, 0], [8, 0]],
+            lane_bases=[[2, 0], [4, 0], [0, per], [0, 2 * per], [0, 4 * per]],
+            warp_bases=[], block_bases=[], shape=[CHUNK_C, D // 4 if WORDS else D])
+
+
+    @gluon.jit
+    def k_logical(x, D: gl.constexpr):
+        """[16 rows, D] in k_layout (memory channel order) -> the same registers in logical channel
+        order, k = 16 j + 8 ph + 2 t + pl for memory channel (D/4) t + 4 j + 2 ph + pl (nothing moves)."""
+        return gl.reshape(gl.permute(gl.reshape(x, [CHUNK_C, 4, D // 16, 2, 2]), [0, 2, 3, 1, 4]), [CHUNK_C, D])
+
+
+
+    @gluon.jit
+    def k_operand(x, D: gl.constexpr):
+        """K [16 tokens, D] in k_layout -> the A operand of S^T = K . q^T (registers reordered only)."""
+        return gl.convert_layout(k_logical(x, D), A_OP, assert_trivial=True)
+
+
+    @gluon.jit
+    def v_operand(x, D: gl.constexpr):
+        """fp16 [16, D] in v_layout -> V^T [D, 16] as the A operand, logical channel m = g + 8 i for
+        memory channel (D/8) g + i (only registers are reordered: each pair of tokens is packed)."""
+        x = gl.reshape(gl.permute(gl.reshape(x, [CHUNK_C, 8, D // 8]), [0, 2, 1]), [CHUNK_C, D])
+        return gl.convert_layout(gl.permute(x, [1, 0]), A_OP)
+
+
+    @gluon.jit
+    def pairs_fp16(w):
+        """uint32 [N, W] of fp16 pairs -> fp16 [N, 2W] (low half first); only registers are renamed."""
+        return gl.reshape(gl.join((w & 0xFFFF).to(gl.uint16), (w >> 16).to(gl.uint16)),
+                          [w.shape[0], 2 * w.shape[1]]).to(gl.float16, bitcast=True)
+
+
+    @gluon.jit
+    def codes_fp16(w, FMT: gl.constexpr, OFFSET: gl.constexpr):
+        """uint32 [16, D/4] words of four 8-bit codes -> fp16 [16, D], exact and two codes per
+        instruction: e4m3 by the hardware pair conversion, e5m2 as the high byte of each half, int8
+        as fp16(0x6400 | code ^ 0x80) = code + 1152 (no integer-to-float conversion), less 1152 unless
+        OFFSET (keys: the caller takes 1152 x sum(q) off the scores once). The pages are carried across
+        loop iterations as words: carried as bytes, each would take a register."""
+        if FMT == 3:
+            asm: gl.constexpr = """{ .reg .b16 l, h; mov.b32 {l, h}, $2;
+                cvt.rn.f16x2.e4m3x2 $0, l; cvt.rn.f16x2.e4m3x2 $1, h; }"""
+        elif FMT == 4:
+            asm: gl.constexpr = "prmt.b32 $0, $2, 0, 0x1404; prmt.b32 $1, $2, 0, 0x3424;"
+        elif OFFSET:
+            asm: gl.constexpr = """{ .reg .b32 x; xor.b32 x, $2, 0x80808080;
+                prmt.b32 $0, x, 0x64646464, 0x5140; prmt.b32 $1, x, 0x64646464, 0x7362; }"""
+        else:
+            asm: gl.constexpr = """{ .reg .b32 x, c; xor.b32 x, $2, 0x80808080; mov.b32 c, 0x64806480;
+                prmt.b32 $0, x, 0x64646464, 0x5140; prmt.b32 $1, x, 0x64646464, 0x7362;
+                sub.rn.f16x2 $0, $0, c; sub.rn.f16x2 $1, $1, c; }"""
+        lo, hi = gl.inline_asm_elementwise(asm=asm, constraints="=r,=r,r", args=[w],
+                                           dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
+        x = gl.join(gl.reshape(pairs_fp16(lo), [w.shape[0], w.shape[1], 2]),
+                    gl.reshape(pairs_fp16(hi), [w.shape[0], w.shape[1], 2]))  # [16, D/4, 2 (pair), 2]
+        return gl.reshape(gl.permute(x, [0, 1, 3, 2]), [w.shape[0], 4 * w.shape[1]])
+
+
+    @gluon.jit
+    def to_fp16(x, valid_rows):
+        """A bf16 tile [16, D] -> (fp16 tile, power-of-two factor f) with tile = fp16(x / f): bf16's
+        8-bit significands fit fp16's 11, so only the range needs care; f keeps the largest value
+        <= 2**14 (exact: a power of two), and the caller multiplies f back into a scale."""
+        x = gl.where(valid_rows[:, None], x.to(gl.float32), 0.0)
+        amax = gl.max(gl.max(gl.abs(x), axis=1), axis=0)
+        f = gl.exp2(gl.maximum(gl.ceil(gl.log2(gl.maximum(amax, 1.0) / 16384.0)), 0.0))
+        return (x * (1.0 / f)).to(gl.float16), f
+
+
+    @gluon.jit
+    def halves(x):
+        """[16, N] -> its rows 0-7 [8, N], where the row + 8 bit is a register bit (nothing moves)."""
+        lo, hi = gl.split(gl.permute(gl.reshape(x, [2, 8, x.shape[1]]), [1, 2, 0]))
+        return lo
