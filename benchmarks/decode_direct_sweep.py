@@ -19,7 +19,6 @@ import time
 import traceback
 
 import torch
-import torch.nn.functional as F
 
 import kernels as kb  # benchmarks/kernels.py (puts kvmesh on the path too)
 from kvmesh.kernels.decode_attention import decode_attention
@@ -41,16 +40,9 @@ def main() -> None:
     cases = kb.DECODE_CASES if args.cases is None else [kb.DECODE_CASES[int(i)] for i in args.cases.split(",")]
     rows = []
     for batch, ctx in cases:
-        n_pages = batch * ctx // kb.BS
-        g = torch.Generator(device="cuda").manual_seed(batch * ctx)
-        k_rows = torch.randn(n_pages * kb.BS, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=g)
-        v_rows = torch.randn(n_pages * kb.BS, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=g)
-        perm = torch.randperm(n_pages, device="cuda", generator=g)
-        kc = k_rows.view(batch, ctx, kb.KVH, kb.D).transpose(1, 2).contiguous()
-        vc = v_rows.view(batch, ctx, kb.KVH, kb.D).transpose(1, 2).contiguous()
-        qs = torch.randn(batch, kb.H, 1, kb.D, device="cuda", dtype=torch.float16, generator=g)
-        t_sdpa = kb.time_ms(lambda: F.scaled_dot_product_attention(qs, kc, vc, enable_gqa=True), args.reps)
-        del kc, vc
+        dc = kb.decode_case(batch, ctx)
+        n_pages, k_rows, v_rows, perm, qs, g = dc.n_pages, dc.k_rows, dc.v_rows, dc.perm, dc.qs, dc.gen
+        t_sdpa, _ = kb.time_sdpa(dc, args.reps)
         kb.log(f"{batch}x{ctx}: sdpa {t_sdpa:.3f} ms ({time.time() - t0:.0f} s)")
         q = qs[:, :, 0].contiguous()
         kn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=g)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import multiprocessing as mp
 import statistics
 import sys
@@ -22,7 +21,6 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernels as kb  # noqa: E402  (maps kvmesh to shared/ when not installed)
@@ -48,21 +46,16 @@ def variants(kv: str, grid: dict = GRID, tiles_only: bool = False) -> list[dict]
     return out
 
 
-def _problem(kv: str, batch: int, ctx: int, seed: int):
-    """(cache, meta, q, k_new, v_new, qs fp16 [B, H, 1, D], k_rows, v_rows) for one decode case."""
-    n_pages = batch * ctx // kb.BS
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    k_rows = torch.randn(n_pages * kb.BS, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=g)
-    v_rows = torch.randn(n_pages * kb.BS, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=g)
-    perm = torch.randperm(n_pages, device="cuda", generator=g)
-    qs = torch.randn(batch, kb.H, 1, kb.D, device="cuda", dtype=torch.float16, generator=g)
-    cache = kb.filled_cache(kv, k_rows, v_rows, n_pages, perm)
-    meta = kb.decode_meta(batch, ctx, perm, cache.layout)
+def _problem(kv: str, batch: int, ctx: int):
+    """(cache, meta, q, k_new, v_new, the case's data) for one decode case."""
+    case = kb.decode_case(batch, ctx)
+    cache = kb.filled_cache(kv, case.k_rows, case.v_rows, case.n_pages, case.perm)
+    meta = kb.decode_meta(batch, ctx, case.perm, cache.layout)
     dt = kb.model_dtype_for(kv)
-    q = qs[:, :, 0].to(dt).contiguous()
-    kn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=dt, generator=g)
-    vn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=dt, generator=g)
-    return cache, meta, q, kn, vn, qs, k_rows, v_rows
+    q = case.qs[:, :, 0].to(dt).contiguous()
+    kn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=dt, generator=case.gen)
+    vn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=dt, generator=case.gen)
+    return cache, meta, q, kn, vn, case
 
 
 def _compile_worker(jobs: list[tuple[str, dict]]) -> int:
@@ -72,7 +65,7 @@ def _compile_worker(jobs: list[tuple[str, dict]]) -> int:
     problems: dict = {}
     for kv, cfg in jobs:
         if kv not in problems:
-            problems[kv] = _problem(kv, 2, 512, 1)
+            problems[kv] = _problem(kv, 2, 512)
         cache, meta, q, kn, vn, *_ = problems[kv]
         for splits in (1, 2):
             try:
@@ -93,12 +86,9 @@ def compile_all(dtypes: list[str], jobs: int, grid: dict, tiles_only: bool) -> N
 
 
 def time_case(kv: str, batch: int, ctx: int, cfgs: list[dict], pps: tuple, reps: int, results: list) -> None:
-    cache, meta, q, kn, vn, qs, k_rows, v_rows = _problem(kv, batch, ctx, batch * ctx)
-    kc = k_rows.view(batch, ctx, kb.KVH, kb.D).transpose(1, 2).contiguous()
-    vc = v_rows.view(batch, ctx, kb.KVH, kb.D).transpose(1, 2).contiguous()
-    del k_rows, v_rows
-    t_sdpa = kb.time_ms(lambda: F.scaled_dot_product_attention(qs, kc, vc, enable_gqa=True), reps)
-    del kc, vc
+    cache, meta, q, kn, vn, case = _problem(kv, batch, ctx)
+    t_sdpa, _ = kb.time_sdpa(case, reps)
+    del case
     ref = decode_attention(cache, 0, q, kn, vn, meta, kb.D ** -0.5, splits=1, block_n=32, num_stages=3, direct=False)
     kb.log(f"{kv} {batch}x{ctx}: sdpa {t_sdpa:.4f} ms")
     for cfg, p in itertools.product(cfgs, pps):

@@ -28,7 +28,6 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests")]
@@ -187,20 +186,13 @@ def bench_write(reps: int, copy_tbs: float) -> None:
 
 
 def bench_decode(batch: int, ctx: int, reps: int, read_tbs: float, with_ref: bool) -> None:
-    n_pages = batch * ctx // BS
-    g = torch.Generator(device="cuda").manual_seed(batch * ctx)
-    k_rows = torch.randn(n_pages * BS, KVH, D, device="cuda", dtype=torch.float16, generator=g)
-    v_rows = torch.randn(n_pages * BS, KVH, D, device="cuda", dtype=torch.float16, generator=g)
-    perm = torch.randperm(n_pages, device="cuda", generator=g)
-    kc = k_rows.view(batch, ctx, KVH, D).transpose(1, 2).contiguous()
-    vc = v_rows.view(batch, ctx, KVH, D).transpose(1, 2).contiguous()
-    qs = torch.randn(batch, H, 1, D, device="cuda", dtype=torch.float16, generator=g)
-    t_sdpa = kb.time_ms(lambda: F.scaled_dot_product_attention(qs, kc, vc, enable_gqa=True), reps)
+    dc = kb.decode_case(batch, ctx)
+    n_pages, perm, qs, g = dc.n_pages, dc.perm, dc.qs, dc.gen
+    t_sdpa, _ = kb.time_sdpa(dc, reps)
     case = f"{batch}x{ctx}"
     ROWS.append((case, "sdpa fp16 contiguous", t_sdpa, math.nan, math.nan, 1.0, ""))
-    del kc, vc
-    cache = kb.filled_cache("int4", k_rows, v_rows, n_pages, perm)
-    del k_rows, v_rows
+    cache = kb.filled_cache("int4", dc.k_rows, dc.v_rows, n_pages, perm)
+    del dc
     meta = kb.decode_meta(batch, ctx, perm, cache.layout)
     q = qs[:, :, 0].contiguous()
     kn = torch.randn(batch, KVH, D, device="cuda", dtype=torch.float16, generator=g)

@@ -13,6 +13,7 @@ Each case runs in its own try/except and prints as it goes, so a failure costs o
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 import math
 import statistics
 import sys
@@ -134,22 +135,50 @@ def decode_meta(batch: int, ctx: int, perm: torch.Tensor, layout: BlockLayout):
     return build_attention_metadata(seqs, layout, 1, "cuda")
 
 
-def bench_decode(batch: int, ctx: int, reps: int, read_tbs: float, rows: list) -> None:
+@dataclass(frozen=True)
+class DecodeCase:
+    """One decode case's data, drawn from a generator seeded by the case: fp16 K/V rows [N, KVH, D]
+    (the rows of page perm[i] are i*BS..(i+1)*BS), q [B, H, 1, D], and the generator for more."""
+
+    batch: int
+    ctx: int
+    k_rows: torch.Tensor
+    v_rows: torch.Tensor
+    perm: torch.Tensor
+    qs: torch.Tensor
+    gen: torch.Generator
+
+    @property
+    def n_pages(self) -> int:
+        return self.batch * self.ctx // BS
+
+
+def decode_case(batch: int, ctx: int) -> DecodeCase:
     n_pages = batch * ctx // BS
     g = torch.Generator(device="cuda").manual_seed(batch * ctx)
     k_rows = torch.randn(n_pages * BS, KVH, D, device="cuda", dtype=torch.float16, generator=g)
     v_rows = torch.randn(n_pages * BS, KVH, D, device="cuda", dtype=torch.float16, generator=g)
     perm = torch.randperm(n_pages, device="cuda", generator=g)
-    # SDPA over contiguous fp16 K/V of the same data: [B, KVH, ctx, D]
-    kc = k_rows.view(batch, ctx, KVH, D).transpose(1, 2).contiguous()
-    vc = v_rows.view(batch, ctx, KVH, D).transpose(1, 2).contiguous()
     qs = torch.randn(batch, H, 1, D, device="cuda", dtype=torch.float16, generator=g)
-    t_sdpa = time_ms(lambda: F.scaled_dot_product_attention(qs, kc, vc, enable_gqa=True), reps)
-    sdpa_bytes = 2 * kc.numel() * 2 + 2 * qs.numel() * 2
+    return DecodeCase(batch, ctx, k_rows, v_rows, perm, qs, g)
+
+
+def time_sdpa(case: DecodeCase, reps: int) -> tuple[float, int]:
+    """(ms, bytes moved) of SDPA (enable_gqa) over contiguous fp16 K/V [B, KVH, ctx, D] of the case's
+    data; the contiguous copies are freed before returning."""
+    kc = case.k_rows.view(case.batch, case.ctx, KVH, D).transpose(1, 2).contiguous()
+    vc = case.v_rows.view(case.batch, case.ctx, KVH, D).transpose(1, 2).contiguous()
+    t = time_ms(lambda: F.scaled_dot_product_attention(case.qs, kc, vc, enable_gqa=True), reps)
+    return t, 2 * kc.numel() * 2 + 2 * case.qs.numel() * 2
+
+
+def bench_decode(batch: int, ctx: int, reps: int, read_tbs: float, rows: list) -> None:
+    case = decode_case(batch, ctx)
+    n_pages, k_rows, v_rows, perm, qs, g = case.n_pages, case.k_rows, case.v_rows, case.perm, case.qs, case.gen
+    t_sdpa, sdpa_bytes = time_sdpa(case, reps)
     rows.append((f"{batch}x{ctx}", "sdpa fp16 contiguous", t_sdpa, sdpa_bytes / t_sdpa / 1e9,
                  sdpa_bytes / t_sdpa / 1e9 / read_tbs, 1.0, 1.0))
     log(f"  sdpa {batch}x{ctx}: {t_sdpa:.3f} ms")
-    del kc, vc
     for kv in KV_DTYPES:
         try:
             cache = filled_cache(kv, k_rows, v_rows, n_pages, perm)
