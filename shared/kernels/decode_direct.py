@@ -30,7 +30,9 @@ import os
 
 import torch
 
-from kvmesh.kernels.formats import FMT_E4M3, FMT_E5M2, FMT_INT8
+from kvmesh.kernels.formats import FMT_CODES, FMT_E4M3, FMT_E5M2, FMT_INT8
+from kvmesh.kernels.paged_attention import LOG2E
+from kvmesh.kernels.splits import COUNTERS, launch_split, num_sms, num_splits, resident_of
 
 from kvmesh.kernels.mma_fragments import CHUNK, HAVE_GLUON
 
@@ -303,10 +305,6 @@ def decode_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.
     arguments. `splits` overrides the split count (from shapes and the compiled kernel's residency),
     `fused` whether the last split reduces (None: up to FUSED_MAX_SPLITS splits), `maxnreg` the
     register cap."""
-    from kvmesh.kernels.formats import FMT_CODES
-    from kvmesh.kernels.paged_attention import LOG2E
-    from kvmesh.kernels.splits import COUNTERS, launch_split, num_sms, num_splits, resident_of
-
     L = cache.layout
     B, H, D = q.shape
     G = H // L.kv_heads
