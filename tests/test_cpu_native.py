@@ -4,10 +4,12 @@ boundaries included), padded block tables, shuffled residual slots and pages, mi
 only some sequences decode, and the same engine greedy tokens with and without it."""
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
-from kvmesh.kernels.cpu_native import NativeKernels, load
+from kvmesh.kernels.cpu_native import NativeKernels, _build, load
 from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata
 from kvmesh.kernels.torch_ref import TorchBackend
 from kvmesh.kv.layout import BlockLayout
@@ -31,9 +33,14 @@ def _cache(kv: str, gen: torch.Generator, kvh: int, d: int, bs: int, blocks: int
 
 
 @pytest.mark.parametrize("kv", ["fp32", "bf16"])
-@pytest.mark.parametrize("heads,kvh,d,bs", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 16, 16)])
+@pytest.mark.parametrize("heads,kvh,d,bs", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 16, 16), (8, 2, 128, 16),
+                                            (5, 1, 32, 8), (4, 4, 64, 16)])
 @pytest.mark.parametrize("mixed", [False, True])
-def test_native_decode_matches_torch_path(kv, heads, kvh, d, bs, mixed):
+@pytest.mark.parametrize("portable", [False, True])
+def test_native_decode_matches_torch_path(kv, heads, kvh, d, bs, mixed, portable):
+    """Both C kernels: the AVX-512 one (head_dim 32 / 64 / 128 on CPUs that have it; 1 to 5 query
+    heads a group, in chunks of up to 4, or 2 at head_dim 128) and the portable one."""
+    kernels = NativeKernels(ctypes.CDLL(str(_build())), portable=True) if portable else native
     gen = torch.Generator().manual_seed(heads * 31 + d + bs + mixed)
     cache = _cache(kv, gen, kvh, d, bs)
     pages = torch.randperm(64, generator=gen).tolist()
@@ -51,7 +58,7 @@ def test_native_decode_matches_torch_path(kv, heads, kvh, d, bs, mixed):
     qkv = torch.randn(T, heads + 2 * kvh, d, generator=gen).to(dt)  # strided token rows, as in the model
     q, k, v = qkv[:, :heads], qkv[:, heads:heads + kvh], qkv[:, heads + kvh:]
     ref = TorchBackend().attend(cache, 1, q, k, v, meta, d ** -0.5)
-    got = TorchBackend(native).attend(cache, 1, q, k, v, meta, d ** -0.5)
+    got = TorchBackend(kernels).attend(cache, 1, q, k, v, meta, d ** -0.5)
     assert got.dtype == dt and got.shape == (T, heads, d)
     if kv == "fp32":
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
