@@ -22,6 +22,10 @@ pytestmark = pytest.mark.skipif(native is None, reason="no C compiler: the nativ
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def _kernels(portable: bool) -> NativeKernels:
+    return NativeKernels(ctypes.CDLL(str(_build())), portable=True) if portable else native
+
+
 def _cache(kv: str, gen: torch.Generator, kvh: int, d: int, bs: int, blocks: int = 64) -> KVCache:
     cache = KVCache(BlockLayout(3, kvh, d, bs, kv), blocks, 12, DTYPES[kv])
     cache.residual.copy_(torch.randn(cache.residual.shape, generator=gen))
@@ -40,7 +44,7 @@ def _cache(kv: str, gen: torch.Generator, kvh: int, d: int, bs: int, blocks: int
 def test_native_decode_matches_torch_path(kv, heads, kvh, d, bs, mixed, portable):
     """Both C kernels: the AVX-512 one (head_dim 32 / 64 / 128 on CPUs that have it; 1 to 5 query
     heads a group, in chunks of up to 4, or 2 at head_dim 128) and the portable one."""
-    kernels = NativeKernels(ctypes.CDLL(str(_build())), portable=True) if portable else native
+    kernels = _kernels(portable)
     gen = torch.Generator().manual_seed(heads * 31 + d + bs + mixed)
     cache = _cache(kv, gen, kvh, d, bs)
     pages = torch.randperm(64, generator=gen).tolist()
@@ -88,28 +92,32 @@ def test_native_decode_off_by_env(monkeypatch):
 
 
 @pytest.mark.parametrize("rows", [1, 33, 2048])
-def test_native_rms_norm_matches_torch_rms_norm(rows):
+@pytest.mark.parametrize("dim", [576, 200])  # 200: not a multiple of 16, the AVX-512 kernel hands it on
+@pytest.mark.parametrize("portable", [False, True])
+def test_native_rms_norm_matches_torch_rms_norm(rows, dim, portable):
     gen = torch.Generator().manual_seed(rows)
-    x = (torch.randn(rows, 700, generator=gen) * 3).bfloat16()[:, :576]  # rows 700 apart
-    w = (torch.rand(576, generator=gen) * 2).bfloat16()
-    got = native.rms_norm(x, w, 1e-5)
-    want = torch.nn.functional.rms_norm(x.float(), (576,), w.float(), 1e-5)  # float32 inside, as ours
+    x = (torch.randn(rows, 700, generator=gen) * 3).bfloat16()[:, :dim]  # rows 700 apart
+    w = (torch.rand(dim, generator=gen) * 2).bfloat16()
+    got = _kernels(portable).rms_norm(x, w, 1e-5)
+    want = torch.nn.functional.rms_norm(x.float(), (dim,), w.float(), 1e-5)  # float32 inside, as ours
     assert got.dtype == torch.bfloat16 and got.is_contiguous()
     torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-6)  # one rounding to bf16
     with pytest.raises(ValueError, match="bf16"):
         native.rms_norm(x.float(), w, 1e-5)
 
 
-def test_native_rope_matches_rotary_embedding():
+@pytest.mark.parametrize("d", [64, 128, 16])  # 16: a half of 8, the AVX-512 kernel hands it on
+@pytest.mark.parametrize("portable", [False, True])
+def test_native_rope_matches_rotary_embedding(d, portable):
     from kvmesh.model.rope import RotaryEmbedding
     gen = torch.Generator().manual_seed(4)
-    rope = RotaryEmbedding(64, 10000.0, None)
+    rope = RotaryEmbedding(d, 10000.0, None)
     cos, sin = rope.cos_sin(torch.tensor([0, 1, 5, 77, 1000, 4095]), torch.bfloat16)  # [T, 1, D]
-    qkv = (torch.randn(6, 15, 64, generator=gen) * 2).bfloat16()  # [T, H + 2 KVH, D]
+    qkv = (torch.randn(6, 15, d, generator=gen) * 2).bfloat16()  # [T, H + 2 KVH, D]
     x = qkv[:, :12]  # rows 15 heads apart, as the model passes q and k
-    got = native.rope(x, cos, sin)
+    got = _kernels(portable).rope(x, cos, sin)
     want = RotaryEmbedding.apply(x.float(), cos.float(), sin.float())  # float32 inside, as ours
-    assert got.shape == (6, 12, 64) and got.dtype == torch.bfloat16
+    assert got.shape == (6, 12, d) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-6)  # one rounding to bf16
     with pytest.raises(ValueError, match="dense heads"):
         native.rope(x.transpose(0, 1), cos, sin)
@@ -136,3 +144,22 @@ def test_native_residual_write_matches_torch_path(kv):
                 backend.write(cache, layer, k, v, meta)
         assert torch.equal(caches[0].residual, caches[1].residual)
         assert torch.equal(caches[0].pool, caches[1].pool)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("n", [49152, 1000, 7])  # 1000, 7: tails past the last 16 values
+def test_native_argmax_matches_torch_max(dtype, portable, n):
+    """First index among equal maxima (bf16 rows tie often), a NaN counting as the maximum, rows
+    with a stride, as `torch.max(x, -1).indices`."""
+    gen = torch.Generator().manual_seed(n)
+    x = (torch.randn(9, n + 5, generator=gen) * 4).to(dtype)[:, :n]  # rows n + 5 apart
+    x[1, n // 3] = x[1, n - 1] = x[1].max() + 1  # a tie: the first wins
+    x[2] = -1.0  # all equal
+    x[3, n // 2] = float("nan")
+    x[4, 0], x[4, n - 1] = float("nan"), float("inf")
+    x[5, n - 1] = float("inf")  # maximum in the tail
+    x[6] = float("-inf")
+    got = _kernels(portable).argmax(x)
+    assert got.dtype == torch.int64 and torch.equal(got, torch.max(x, dim=-1).indices)
+    assert _kernels(portable).argmax(x.half()) is None  # other dtypes: the caller runs torch

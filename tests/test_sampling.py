@@ -51,6 +51,26 @@ def test_greedy_is_argmax_and_logprobs_match_log_softmax():
         assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-6)
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_bf16_logits_sample_as_their_float32_copy(native):
+    """The runner hands the sampler model-dtype logits: greedy rows (the fast path, with the C
+    argmax or torch) and mixed rows (penalties, logprobs) give what float32 copies give."""
+    from kvmesh.kernels.cpu_native import load
+    kernels = load() if native else None
+    if native and kernels is None:
+        pytest.skip("no C compiler: the native kernels could not be built")
+    torch.manual_seed(3)
+    logits = (torch.randn(6, V) * 3).bfloat16()
+    logits[0, 7] = logits[0, 9] = logits[0].max() + 1  # a bf16 tie: the first index wins
+    s = Sampler(0, torch.device("cpu"), kernels)
+    greedy = [_row(temperature=0.0) for _ in range(6)]
+    assert s(logits, greedy).token_ids == s(logits.float(), greedy).token_ids == logits.float().argmax(-1).tolist()
+    mixed = greedy[:3] + [_row(temperature=0.0, logprobs=2), _row(temperature=0.0, repetition_penalty=1.3),
+                          _row(temperature=0.0, logprobs=0)]
+    a, b = s(logits, mixed), s(logits.float(), mixed)
+    assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
 def test_seeded_sampling_is_reproducible_and_seed_dependent():
     torch.manual_seed(2)
     logits = torch.randn(1, V)

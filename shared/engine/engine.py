@@ -47,7 +47,7 @@ class LLMEngine:
         limits = SchedulerLimits(sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len,
                                  self.layout.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(limits, self.kv, sc.max_num_seqs, self._load_tail)
-        self.sampler = Sampler(config.seed, self.runner.device)
+        self.sampler = Sampler(config.seed, self.runner.device, self.runner.native)
         self._requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._eos = frozenset(self.model_config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)

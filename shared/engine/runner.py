@@ -10,7 +10,7 @@ import torch
 
 from kvmesh.config import EngineConfig
 from kvmesh.kernels.backend import make_backend
-from kvmesh.kernels.cpu_native import load as load_native_decode
+from kvmesh.kernels.cpu_native import load as load_native
 from kvmesh.kernels.torch_ref import TorchBackend
 from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata
 from kvmesh.kv.layout import BlockLayout, canonical_kv_dtype
@@ -69,8 +69,10 @@ class ModelRunner:
         num_blocks = self._num_blocks()
         self.cache = KVCache(self.layout, num_blocks, num_residual_slots, self.dtype, self.device)
         self.backend = make_backend(cfg.attention_backend, self.device)
-        if self.device.type == "cpu" and isinstance(self.backend, TorchBackend):
-            self.backend.native = load_native_decode()  # C decode attention over the pool; None: torch
+        # the C kernels (`cpu_native.py`) on the CPU: decode attention over the pool, greedy argmax
+        self.native = load_native() if self.device.type == "cpu" else None
+        if isinstance(self.backend, TorchBackend):
+            self.backend.native = self.native  # None: torch
 
     @property
     def dtype_name(self) -> str:
@@ -104,7 +106,8 @@ class ModelRunner:
     def execute(self, token_chunks: list[list[int]], slices: list[SeqSlice],
                 rows: StepRows) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Runs the model over the batch. token_chunks[i]: the new tokens of slices[i].
-        Returns (sample logits [len(sample_rows), V] float32, per prompt chunk logits [n, V])."""
+        Returns (sample logits [len(sample_rows), V] in the model dtype, per prompt chunk logits
+        [n, V] float32)."""
         flat: list[int] = []
         pos: list[int] = []
         for toks, s in zip(token_chunks, slices):
@@ -114,7 +117,7 @@ class ModelRunner:
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)  # [T]
         meta = build_attention_metadata(slices, self.layout, self.cache.num_residual_slots, self.device)
         hidden = self.model(input_ids, positions, meta, self.cache, self.backend)  # [T, hidden]
-        sample_logits = self.model.compute_logits(hidden[rows.sample_rows]) if rows.sample_rows else None
+        sample_logits = self.model.compute_logits(hidden[rows.sample_rows], upcast=False) if rows.sample_rows else None
         prompt_logits = [self.model.compute_logits(hidden[r0:r0 + n]) for r0, n, _ in rows.prompt_rows]
         return sample_logits, prompt_logits
 

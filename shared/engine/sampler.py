@@ -12,6 +12,7 @@ import torch
 
 from kvmesh.engine.outputs import TokenLogprob
 from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.kernels.cpu_native import NativeKernels
 
 
 @dataclass
@@ -88,10 +89,12 @@ def _top_logprobs(lp: torch.Tensor, chosen: torch.Tensor, k: int) -> list[TokenL
 _POS_MIX = 0xBF58476D1CE4E5B9  # spreads a sequence's per-position seeds apart
 
 
-def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+def greedy_ids(logits: torch.Tensor, native: NativeKernels | None = None) -> torch.Tensor:
     """Argmax of each row [N, V] -> [N], the first index among equal maxima (as `argmax`). On the
-    CPU `max(dim)` runs 1.5x faster than `argmax` (32 x 49,152 fp32, one thread: 2.5 vs 3.9 ms)."""
-    return torch.max(logits, dim=-1).indices
+    CPU `max(dim)` runs 1.5x faster than `argmax` (32 x 49,152 fp32, one thread: 2.5 vs 3.9 ms) and
+    the C kernel (`native`) 9x faster than `max` on bf16 logits (0.2 vs 1.8 ms)."""
+    ids = native.argmax(logits) if native is not None else None
+    return torch.max(logits, dim=-1).indices if ids is None else ids
 
 
 def draw_generator(seq_generator: torch.Generator, position: int) -> torch.Generator:
@@ -106,21 +109,24 @@ def draw_generator(seq_generator: torch.Generator, position: int) -> torch.Gener
 class Sampler:
     """Holds the default generator for rows without their own seed."""
 
-    def __init__(self, seed: int, device: torch.device) -> None:
+    def __init__(self, seed: int, device: torch.device, native: NativeKernels | None = None) -> None:
+        """native: the C argmax for greedy rows on the CPU (None: torch)."""
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.native = native
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
-        """logits [N, V] float32, one row per entry of `rows`."""
+        """logits [N, V] float32 or the model dtype (the greedy fast path reads those directly: the
+        same argmax, as float32 holds every bf16 / fp16 value), one row per entry of `rows`."""
         N = len(rows)
         # Fast path: a batch of plain greedy rows needs one argmax and no Python per row.
         if all(r.params.temperature == 0.0 and not _needs_processing(r) for r in rows):
-            return SampleResult(greedy_ids(logits).tolist(), [None] * N)
+            return SampleResult(greedy_ids(logits, self.native).tolist(), [None] * N)
 
         want_lp = [r.params.logprobs is not None for r in rows]
+        logits = logits.clone() if logits.dtype == torch.float32 else logits.float()  # ours to change
         raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None  # [N, V]
-        logits = logits.clone()
         for i, r in enumerate(rows):
             if r.params.needs_penalties:
                 apply_penalties(logits[i], r)
@@ -130,7 +136,7 @@ class Sampler:
         greedy = [i for i, r in enumerate(rows) if r.params.temperature == 0.0]
         if greedy:
             gi = torch.tensor(greedy, device=logits.device)
-            chosen[gi] = greedy_ids(logits[gi])
+            chosen[gi] = greedy_ids(logits[gi], self.native)
         for i, r in enumerate(rows):
             if r.params.temperature == 0.0:
                 continue

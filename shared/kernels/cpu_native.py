@@ -90,24 +90,44 @@ class NativeKernels:
     """The loaded kernel; `attend` runs it for one layer."""
 
     def __init__(self, lib: ctypes.CDLL, portable: bool = False) -> None:
-        """portable: decode attention always through the portable kernel (tests compare the two;
-        by default AVX-512 CPUs take the vectorized one where the head_dim allows)."""
+        """portable: always the portable kernels (tests compare the two; by default AVX-512 CPUs
+        take the vectorized ones where the shapes allow)."""
+        pick = (lambda name: getattr(lib, name.replace("kvmesh_", "kvmesh_portable_"))) if portable else \
+            (lambda name: getattr(lib, name))
         self._fns = {}
         for dtype, name in _KINDS.items():
-            fn = getattr(lib, name.replace("kvmesh_", "kvmesh_portable_") if portable else name)
+            fn = pick(name)
             fn.restype = ctypes.c_int
             fn.argtypes = [_P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I,
                            ctypes.c_float, _I, _I, _I]
             self._fns[dtype] = fn
-        self._norm = lib.kvmesh_rms_norm_bf16
+        self._norm = pick("kvmesh_rms_norm_bf16")
         self._norm.restype = None
         self._norm.argtypes = [_P, _I, _P, _P, _I, _I, ctypes.c_float]
         self._write = lib.kvmesh_residual_write
         self._write.restype = None
         self._write.argtypes = [_P, _P, _I, _I, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I]
-        self._rope = lib.kvmesh_rope_bf16
+        self._rope = pick("kvmesh_rope_bf16")
         self._rope.restype = None
         self._rope.argtypes = [_P, _I, _I, _P, _P, _P, _I, _I]
+        self._argmax = {}
+        for dtype, name in ((torch.float32, "kvmesh_argmax_f32"), (torch.bfloat16, "kvmesh_argmax_bf16")):
+            fn = pick(name)
+            fn.restype = None
+            fn.argtypes = [_P, _I, _I, _I, _P]
+            self._argmax[dtype] = fn
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [N, V] float32 or bf16 on the CPU (rows may be strided) -> int64 [N], the first index
+        of each row's maximum, a NaN counting as the maximum (`torch.max(x, -1).indices`); None for
+        other inputs (the caller runs torch). 32 x 49,152 bf16, one thread: 0.2 ms, where torch's
+        max takes 1.8 (2.6 with the float32 copy the logits used to get first)."""
+        fn = self._argmax.get(x.dtype)
+        if fn is None or x.dim() != 2 or x.device.type != "cpu" or x.stride(1) != 1 or x.shape[1] == 0:
+            return None
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        fn(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
+        return out
 
     def residual_write(self, k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, rk: torch.Tensor,
                        rv: torch.Tensor, slot: torch.Tensor, off: torch.Tensor) -> None:

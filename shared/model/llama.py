@@ -132,12 +132,15 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits float32 [N, vocab]."""
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab], float32 (upcast) or the model dtype (greedy
+        sampling reads bf16 as is: 32 x 49,152 float32 copies cost ~0.8 ms a step on the CPU)."""
         if self.logits_head is not None:
-            return self.logits_head(hidden).float()
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+            logits = self.logits_head(hidden)
+        else:
+            w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(hidden, w)
+        return logits.float() if upcast else logits
 
     def set_key_centers(self, centers: torch.Tensor | None) -> None:
         """Subtract centers[layer] [KVH, D] from every post-RoPE key (None: off); see key_centers.py."""
