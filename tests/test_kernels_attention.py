@@ -221,6 +221,19 @@ def test_gpu_direct_decode(kv, gqa, head_dim, bs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("gqa,head_dim,bs", [(4, 128, 16), (8, 64, 32), (3, 128, 16)])
+def test_gpu_direct_reductions(kv, gqa, head_dim, bs):
+    # the last split's one-pass reduction over 3, 4 and (forced) 7 splits, some of them empty, and
+    # the second launch past FUSED_MAX_SPLITS; fp16 and bf16 models
+    lens = [0, 17, 1000, 3000, 64, 2049, 511, 129, bs - 1, bs]
+    for model in (torch.float16, torch.bfloat16):
+        for splits, fused in ((3, None), (4, None), (7, True), (16, None)):
+            check(kv, gqa, head_dim, bs, lens, [1] * len(lens), kv_heads=8, device="cuda", num_layers=2,
+                  model_dtype=model, seed=splits, attend=lambda *a: decode_direct(*a, splits=splits, fused=fused))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "int8"])
 def test_gpu_direct_pool_past_65536_pages(kv):
     check(kv, 4, 128, 16, [4000, 20, 1600], [1, 1, 1], kv_heads=8, num_layers=1, layer=0, device="cuda",
