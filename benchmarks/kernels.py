@@ -52,7 +52,7 @@ from kvmesh.kv.pool import KVCache  # noqa: E402
 H, KVH, D, BS = 32, 8, 128, 16
 DECODE_CASES = [(64, 4096), (16, 16384), (256, 1024), (8, 32768)]
 KV_DTYPES = ["fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
-DIRECT_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8")  # served by decode_direct.py for fp16 models
+DIRECT_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")  # served by the register-direct kernels (fp16 models)
 
 
 def log(*a) -> None:

@@ -7,7 +7,9 @@ with empty, residual-only, exact-page and page + tail prefixes, random page orde
 forced splits including more splits than a sequence has pages, 1/2/4 page streams). Fresh random
 data per case. Tolerance: relative L2 <= 2e-3 (int4's budget in the issue); the decode's own error
 is ~1e-3 of that (fp16 rounding of q * s and p * s), the codes themselves are exact.
-GPU (`-m gpu`): a pool past 65,536 pages (byte offsets above 2**32) at Llama-3-8B heads.
+GPU (`-m gpu`): a pool past 65,536 pages (byte offsets above 2**32) at Llama-3-8B heads; the
+register-direct kernel (`decode_int4_direct`, fp16 and bf16 models) over the same grid, with fused
+and second-launch split reductions, and `decode_attention`'s dispatch to it.
 """
 from __future__ import annotations
 
@@ -64,15 +66,15 @@ def test_int4_heads_per_program():
     assert int4_heads(3, 64, 1) == 1
 
 
-def check_decode(gqa, head_dim, bs, prefix_lens, seed, case=None, **kw) -> float:
-    """decode_int4 (options kw) vs TorchBackend on a fresh make_case cache (options case)."""
+def check_decode(gqa, head_dim, bs, prefix_lens, seed, case=None, decode=decode_int4, **kw) -> float:
+    """`decode` (options kw) vs TorchBackend on a fresh make_case cache (options case)."""
     case = case or {}
     cache, meta, q, k, v = make_case("int4", gqa, head_dim, bs, prefix_lens, [1] * len(prefix_lens), seed=seed,
                                      **case)
     layer = case.get("layer", 1)
     scale = head_dim ** -0.5
     ref = TorchBackend().attend(cache, layer, q, k, v, meta, scale)
-    out = decode_int4(cache, layer, q, k, v, meta, scale, **kw)
+    out = decode(cache, layer, q, k, v, meta, scale, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype
     err = rel_l2(out, ref)
     assert err <= TOL, f"gqa={gqa} D={head_dim} bs={bs} {kw}: relative L2 {err:.2e} > {TOL}"
@@ -101,3 +103,31 @@ def test_gpu_decode_int4(gqa, head_dim, bs):
     # pages >= 70,000 of a one-layer pool: page * page_bytes passes 2**32
     check_decode(gqa, head_dim, bs, [4000, 20, 1600], seed=3,
                  case=dict(on_gpu, first_page=70_000, num_layers=1, layer=0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gqa,head_dim,bs,dtype", [(4, 128, 16, F16), (1, 128, 16, F16), (8, 64, 32, F16),
+                                                   (3, 64, 16, F16), (4, 128, 32, BF16), (4, 256, 16, F16),
+                                                   (8, 128, 16, BF16)])
+def test_gpu_decode_int4_direct(gqa, head_dim, bs, dtype):
+    from kvmesh.kernels.decode_int4_direct import decode_int4_direct
+
+    lens = [0, 17, 1000, 3000, 64, 2049, 511, 129]
+    on_gpu = dict(kv_heads=8, device="cuda", model_dtype=dtype)
+    check_decode(gqa, head_dim, bs, lens, seed=1, case=on_gpu, decode=decode_int4_direct)
+    check_decode(gqa, head_dim, bs, lens, seed=2, case=on_gpu, decode=decode_int4_direct, splits=3)  # fused
+    check_decode(gqa, head_dim, bs, lens, seed=3, case=on_gpu, decode=decode_int4_direct, splits=7)  # 2 launches
+    check_decode(gqa, head_dim, bs, [4000, 20, 1600], seed=4, decode=decode_int4_direct,
+                 case=dict(on_gpu, first_page=70_000, num_layers=1, layer=0))
+
+
+@pytest.mark.gpu
+def test_gpu_decode_attention_sends_int4_to_direct():
+    from kvmesh.kernels.decode_attention import decode_attention
+
+    for direct in (None, True, False):  # direct kernel, required, tile kernel
+        check_decode(4, 128, 16, [0, 33, 700], seed=5, decode=decode_attention, direct=direct,
+                     case=dict(kv_heads=8, device="cuda", model_dtype=F16))
+    with pytest.raises(ValueError, match="does not serve"):  # fp32 models: only the tile kernel
+        check_decode(4, 128, 16, [33], seed=6, decode=decode_attention, direct=True,
+                     case=dict(kv_heads=8, device="cuda"))

@@ -1,9 +1,10 @@
 """Paged decode attention (one new token per sequence) over the quantized KV pool: the entry point
 and the plain Triton kernel.
 
-`decode_attention` sends INT4 pages to `decode_int4.py` and 8-bit pages of fp16/bf16 models to the
-register-direct kernel of `decode_direct.py` where it serves the case (1.7-1.8x SDPA on the H200,
-against 1.0-1.15x here); this kernel serves the rest (fp16/bf16/fp32 pages, G > 8, the interpreter).
+`decode_attention` sends pages of fp16/bf16 models to the register-direct kernels where they serve
+the case: 8-bit pages to `decode_direct.py` (1.7-1.8x SDPA on the H200, against 1.0-1.15x here), INT4
+pages to `decode_int4_direct.py` (else to the tile kernel of `decode_int4.py`); this kernel serves
+the rest (fp16/bf16/fp32 pages, G > 8, the interpreter).
 
 One program per (sequence, KV head, split) serves the G query heads of that KV head (padded to 16
 rows, or G rows that Triton pads inside the dot), so every page is read once. Its split of the sequence's full pages is read
@@ -30,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvmesh.kernels import decode_direct
+from kvmesh.kernels import decode_direct, decode_int4_direct
 from kvmesh.kernels.decode_int4 import decode_int4
 from kvmesh.kernels.backend import AttentionMetadata
 from kvmesh.kernels.formats import (FMT_BF16, FMT_CODES, FMT_E4M3, FMT_E5M2, FMT_FP16, FMT_FP32,
@@ -279,8 +280,6 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
     8-bit pages go to the register-direct Gluon kernel (`decode_direct.py`) where it serves the case
     (`direct=None`); `direct=False` forces this kernel, `direct=True` requires the other (a
     ValueError says why where it cannot serve)."""
-    if FMT_CODES[cache.layout.kv_dtype] == FMT_INT4:  # scales folded out of the tiles (decode_int4.py)
-        return decode_int4(cache, layer, q, k, v, meta, scale, splits=splits, programs_per_sm=programs_per_sm)
     if meta.max_query_len != 1 or q.shape[0] != meta.num_seqs:
         raise ValueError(f"decode needs one new token per sequence: max_query_len={meta.max_query_len}, "
                          f"T={q.shape[0]}, B={meta.num_seqs}")
@@ -289,6 +288,18 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
     B, H, D = q.shape
     G = H // L.kv_heads
     fmt = FMT_CODES[L.kv_dtype]
+    if fmt == FMT_INT4:  # register-direct where it serves the case, else the tile kernel (decode_int4.py)
+        if (direct is not False and k.dtype == q.dtype
+                and decode_int4_direct.supports(q, cache.residual.dtype, G, D, L.block_size)):
+            try:
+                return decode_int4_direct.decode_int4_direct(cache, layer, q, k, v, meta, scale, splits=splits)
+            except decode_direct.COMPILE_ERRORS as e:  # another Triton's Gluon: the tile kernel serves
+                if direct:
+                    raise
+                decode_direct.AVAILABILITY.disable(e)
+        if direct:
+            raise ValueError(f"the direct decode kernel does not serve kv int4, q {q.dtype}, G={G}, D={D}")
+        return decode_int4(cache, layer, q, k, v, meta, scale, splits=splits, programs_per_sm=programs_per_sm)
     if direct is not False:
         if decode_direct.supports(fmt, q, cache.residual.dtype, G, D, L.block_size) and k.dtype == q.dtype:
             try:

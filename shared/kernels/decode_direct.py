@@ -32,6 +32,7 @@ import torch
 
 from kvmesh.kernels.formats import FMT_CODES, FMT_E4M3, FMT_E5M2, FMT_INT8
 from kvmesh.kernels.paged_attention import LOG2E
+from kvmesh.kernels.split_partials import reduce_width
 from kvmesh.kernels.splits import COUNTERS, launch_split, num_sms, num_splits, resident_of
 
 from kvmesh.kernels.mma_fragments import CHUNK, HAVE_GLUON
@@ -41,9 +42,9 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from kvmesh.kernels.mma_fragments import (A_OP, B_OP, CHUNK_C, MMA, codes_fp16, halves, k_layout,
+    from kvmesh.kernels.mma_fragments import (A_OP, B_OP, CHUNK_C, MMA, codes_fp16, halves, k_layout, tail_rows,
                                               k_logical, k_operand, to_fp16, v_layout, v_operand)
-    cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after Triton 3.6
+    from kvmesh.kernels.split_partials import store_output
 FORMATS = (FMT_E4M3, FMT_E5M2, FMT_INT8)
 CODE_MAX = {FMT_E4M3: 448.0, FMT_E5M2: 57344.0, FMT_INT8: 127.0}
 
@@ -136,38 +137,6 @@ if HAVE_GLUON:
             vs = gl.load(ps + (base + VS_OFF) // 4 + kvh)
         return kb, vb, ks, vs
 
-    @gluon.jit
-    def _reduce_splits(part_out_ptr, part_lse_ptr, out_ptr, b, kvh, stride_ob, stride_oh, num_splits,
-                       KVH: gl.constexpr, G: gl.constexpr, D: gl.constexpr, RMAX: gl.constexpr):
-        """The last split of a (sequence, KV head) combines every split's partial, weights
-        2**(lse - max) (what `reduce_splits_kernel` does in a second launch), RMAX >= num_splits
-        partials in one unrolled pass: their loads are all in flight at once (two passes of
-        dependent loads, max then sum, cost 0.7-0.9 % at 64 x 4,096, H200). Loads bypass L1 (.cg):
-        the partials were written by other SMs."""
-        RL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, D // 32], threads_per_warp=[1, 32],
-                                            warps_per_cta=[1, 1], order=[1, 0])
-        h = gl.arange(0, 8, layout=gl.SliceLayout(1, RL))
-        d = gl.arange(0, D, layout=gl.SliceLayout(0, RL))
-        hm = h < G
-        ph = (b.to(gl.int64) * (KVH * G) + kvh * G + h) * num_splits  # [8] first partial of each head
-        m = gl.full([8], -1.0e30, gl.float32, layout=gl.SliceLayout(1, RL))
-        acc = gl.zeros([8, D], gl.float32, layout=RL)
-        wsum = gl.zeros([8], gl.float32, layout=gl.SliceLayout(1, RL))
-        for i in gl.static_range(RMAX):  # unrolled, online weights: no load waits for another
-            ok = hm & (i < num_splits)  # empty splits have lse -inf: weight 0
-            lse = gl.load(part_lse_ptr + ph + i, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            o = gl.load(part_out_ptr + ((ph + i) * D)[:, None] + d[None, :], mask=ok[:, None], other=0.0,
-                        cache_modifier=".cg")
-            m_new = gl.maximum(m, lse)
-            a = gl.exp2(m - m_new)
-            w = gl.exp2(lse - m_new)
-            acc = acc * a[:, None] + o * w[:, None]
-            wsum = wsum * a + w
-            m = m_new
-        o = acc / gl.where(wsum > 0.0, wsum, 1.0)[:, None]
-        op = out_ptr + b.to(gl.int64) * stride_ob + ((kvh * G + h) * stride_oh)[:, None] + d[None, :]
-        gl.store(op, o.to(out_ptr.dtype.element_ty), mask=hm[:, None])
-
     @gluon.jit(do_not_specialize=["num_splits"])
     def decode_direct_kernel(
         q_ptr,  # fp16 or bf16 [B, H, D] new queries
@@ -257,20 +226,10 @@ if HAVE_GLUON:
             slot = gl.load(residual_slots_ptr + b).to(gl.int64)
             res_k = res_ptr + slot * slot_stride + res_layer_off + kvh * BS * D
             for t0 in range(0, n_tail + 1, CHUNK_C):
-                rows_k = t0 + tk
-                rows_v = t0 + tv
-                pk = gl.where((rows_k == n_tail)[:, None], k_ptr + b.to(gl.int64) * stride_kb + kvh * D + ck[None, :],
-                              res_k + (rows_k * D)[:, None] + ck[None, :])
-                pv = gl.where((rows_v == n_tail)[:, None], v_ptr + b.to(gl.int64) * stride_vb + kvh * D + cv[None, :],
-                              res_k + KVH * BS * D + (rows_v * D)[:, None] + cv[None, :])
-                kf = gl.load(pk, mask=(rows_k <= n_tail)[:, None], other=0.0)
-                vf = gl.load(pv, mask=(rows_v <= n_tail)[:, None], other=0.0)
+                kf, vf, fk, fv = tail_rows(k_ptr + b.to(gl.int64) * stride_kb + kvh * D,
+                                           v_ptr + b.to(gl.int64) * stride_vb + kvh * D, res_k, t0, n_tail, tk, ck,
+                                           tv, cv, KVH, BS, D, BF16)
                 valid = (t0 + gl.arange(0, CHUNK_C, layout=TL)) <= n_tail
-                fk = 1.0
-                fv = 1.0
-                if BF16:
-                    kf, fk = to_fp16(kf, rows_k <= n_tail)
-                    vf, fv = to_fp16(vf, rows_v <= n_tail)
                 acc, m_i, l_i = _chunk(acc, m_i, l_i, q_op, kcorr, kf, vf, fk, CMAX * fv, qk_scale, valid, True,
                                        False, D)
 
@@ -278,26 +237,9 @@ if HAVE_GLUON:
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
         o = acc * gl.convert_layout(1.0 / (l_safe * CMAX), gl.SliceLayout(0, MMA))[None, :]  # [D, 8]
         m = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
-        h = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
         chan = (D // 8) * (m % 8) + m // 8  # memory channel of logical channel m
-        if PARTIAL:
-            ph = b.to(gl.int64) * (KVH * G) + kvh * G + h  # [8] row of [B, H]
-            gl.store(part_out_ptr + ((ph * num_splits + split) * D)[None, :] + chan[:, None], o,
-                     mask=(h < G)[None, :])
-            hh = gl.arange(0, 8, layout=HL)
-            lse = gl.where(l_i > 0.0, m_i + gl.log2(l_safe), float("-inf"))
-            gl.store(part_lse_ptr + (b.to(gl.int64) * (KVH * G) + kvh * G + hh) * num_splits + split, lse,
-                     mask=hh < G)
-            if FUSED:
-                cta_barrier()  # every lane's partial is written before the count says so
-                done = gl.atomic_add(count_ptr + b * KVH + kvh, 1, sem="acq_rel", scope="gpu")
-                if done == num_splits - 1:
-                    _reduce_splits(part_out_ptr, part_lse_ptr, out_ptr, b, kvh, stride_ob, stride_oh, num_splits,
-                                   KVH, G, D, RMAX)
-                    gl.store(count_ptr + b * KVH + kvh, 0)  # ready for the next launch
-        else:
-            op = out_ptr + b.to(gl.int64) * stride_ob + ((kvh * G + h) * stride_oh)[None, :] + chan[:, None]
-            gl.store(op, o.to(out_ptr.dtype.element_ty), mask=(h < G)[None, :])
+        store_output(o, chan, l_i, m_i, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, b, kvh, split, stride_ob,
+                     stride_oh, num_splits, KVH, G, D, PARTIAL, FUSED, RMAX)
 
 
 MAXNREG = 128  # 16 one-warp programs per SM (D <= 128); uncapped, int8's prefetching variant took 166
@@ -337,5 +279,5 @@ def decode_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.
         splits = num_splits(B, L.kv_heads, meta.max_prefix_len + 1, num_sms(q.device), resident, CHUNK)
     if fused is None and args["FUSED"]:
         args["FUSED"] = splits <= FUSED_MAX_SPLITS
-    args["RMAX"] = max(FUSED_MAX_SPLITS, 1 << (splits - 1).bit_length())
+    args["RMAX"] = reduce_width(splits, FUSED_MAX_SPLITS)
     return launch_split(decode_direct_kernel, out, L.kv_heads, splits, args)

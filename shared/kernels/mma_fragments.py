@@ -117,6 +117,27 @@ if HAVE_GLUON:
 
 
     @gluon.jit
+    def tail_rows(k_new, v_new, res_k, t0, n_tail, tk, ck, tv, cv, KVH: gl.constexpr, BS: gl.constexpr,
+                  D: gl.constexpr, BF16: gl.constexpr):
+        """Rows t0..t0+15 of a sequence's full-precision tail: the residual tokens (< n_tail, from the
+        slot's K rows at res_k, V rows KVH * BS * D further) and the new token (row n_tail, k_new /
+        v_new [D]), K [16, D] in tk/ck's layout and V in tv/cv's, zero past the new token. Returns
+        (k, v, fk, fv): fp16 tiles and their power-of-two factors (to_fp16; 1 for an fp16 model)."""
+        rows_k = t0 + tk
+        rows_v = t0 + tv
+        pk = gl.where((rows_k == n_tail)[:, None], k_new + ck[None, :], res_k + (rows_k * D)[:, None] + ck[None, :])
+        pv = gl.where((rows_v == n_tail)[:, None], v_new + cv[None, :],
+                      res_k + KVH * BS * D + (rows_v * D)[:, None] + cv[None, :])
+        kf = gl.load(pk, mask=(rows_k <= n_tail)[:, None], other=0.0)
+        vf = gl.load(pv, mask=(rows_v <= n_tail)[:, None], other=0.0)
+        fk = 1.0
+        fv = 1.0
+        if BF16:
+            kf, fk = to_fp16(kf, rows_k <= n_tail)
+            vf, fv = to_fp16(vf, rows_v <= n_tail)
+        return kf.to(gl.float16), vf.to(gl.float16), fk, fv
+
+    @gluon.jit
     def halves(x):
         """[16, N] -> its rows 0-7 [8, N], where the row + 8 bit is a register bit (nothing moves)."""
         lo, hi = gl.split(gl.permute(gl.reshape(x, [2, 8, x.shape[1]]), [1, 2, 0]))

@@ -1,0 +1,108 @@
+"""The register-direct INT4 decode kernel on the H200: correctness against the torch reference, then
+timing beside SDPA and the tile kernel (decode_int4.py), every variant in one run.
+
+    python3 benchmarks/int4_direct_check.py [--reps 20] [--variants default,nocap,cap128]
+
+1. Relative L2 against TorchBackend on the same cache (int4 budget 2e-3): fp16 and bf16 models, GQA
+   1/3/4/8, head_dim 64/128/256, blocks 16/32, ragged contexts with tails, forced splits (fused and
+   second-launch reductions), pages >= 70,000 (byte offsets past 2**32).
+2. Decode 64x4096, 16x16384, 256x1024, 8x32768 as benchmarks/kernels.py times them (CUDA graph of
+   10 calls, median of replays): speedup against SDPA over contiguous fp16 K/V.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests")]
+import kernels as kb  # noqa: E402  (maps kvmesh to shared/ when needed; the timing method)
+
+from kvmesh.kernels.decode_int4 import decode_int4  # noqa: E402
+from kvmesh.kernels.decode_int4_direct import decode_int4_direct  # noqa: E402
+from kvmesh.kernels.torch_ref import TorchBackend  # noqa: E402
+
+VARIANTS = {"default": {}, "nocap": dict(maxnreg=None), "cap128": dict(maxnreg=128), "cap200": dict(maxnreg=200),
+            "unfused": dict(fused=False), "magic": dict(magic=True)}
+TOL = 2e-3
+log = kb.log
+
+
+def correctness() -> bool:
+    from test_kernels_attention import make_case, rel_l2
+
+    ok = True
+    lens = [0, 17, 1000, 3000, 64, 2049, 511, 129]
+    grid = [(4, 128, 16, torch.float16), (1, 128, 16, torch.float16), (8, 64, 32, torch.float16),
+            (3, 64, 16, torch.float16), (4, 128, 32, torch.bfloat16), (4, 256, 16, torch.float16)]
+    for gqa, d, bs, dt in grid:
+        for extra, kw in [({}, {}), ({}, dict(splits=7)), ({}, dict(splits=3)),
+                          (dict(first_page=70_000, num_layers=1, layer=0), {})] + ([({}, dict(magic=True))] * (d == 128)):
+            try:
+                case = dict(kv_heads=8, device="cuda", model_dtype=dt, **extra)
+                ls = [4000, 20, 1600] if extra else lens
+                cache, meta, q, k, v = make_case("int4", gqa, d, bs, ls, [1] * len(ls), seed=gqa + d + bs, **case)
+                layer = case.get("layer", 1)
+                ref = TorchBackend().attend(cache, layer, q, k, v, meta, d ** -0.5)
+                out = decode_int4_direct(cache, layer, q, k, v, meta, d ** -0.5, **kw)
+                err = rel_l2(out, ref)
+                flag = "ok" if err <= TOL else "FAIL"
+                ok &= err <= TOL
+                log(f"  {flag} gqa={gqa} D={d} bs={bs} {str(dt)[6:]} {extra or ''} {kw or ''}: rel L2 {err:.2e}")
+            except Exception:
+                ok = False
+                log(f"  FAIL gqa={gqa} D={d} bs={bs} {dt} {extra} {kw}:\n{traceback.format_exc()}")
+    return ok
+
+
+def timing(reps: int, variants: list[str]) -> list:
+    rows = []
+    for batch, ctx in kb.DECODE_CASES:
+        case = kb.decode_case(batch, ctx)
+        t_sdpa, _ = kb.time_sdpa(case, reps)
+        cache = kb.filled_cache("int4", case.k_rows, case.v_rows, case.n_pages, case.perm)
+        meta = kb.decode_meta(batch, ctx, case.perm, cache.layout)
+        q = case.qs[:, :, 0].contiguous()
+        kn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=case.gen)
+        vn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=case.gen)
+        scale = kb.D ** -0.5
+        ref = decode_int4(cache, 0, q, kn, vn, meta, scale)
+        t_old = kb.time_ms(lambda: decode_int4(cache, 0, q, kn, vn, meta, scale), reps)
+        rows.append((f"{batch}x{ctx}", "tile kernel", t_old, t_sdpa / t_old, 0.0))
+        for name in variants:
+            kw = VARIANTS[name]
+            try:
+                out = decode_int4_direct(cache, 0, q, kn, vn, meta, scale, **kw)
+                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                t = kb.time_ms(lambda: decode_int4_direct(cache, 0, q, kn, vn, meta, scale, **kw), reps)
+                rows.append((f"{batch}x{ctx}", f"direct {name}", t, t_sdpa / t, err))
+            except Exception:
+                log(f"  {name} {batch}x{ctx} FAILED:\n{traceback.format_exc()}")
+        for r in rows[-len(variants) - 1:]:
+            log(f"  {r[0]:10s} {r[1]:16s} {r[2]:.4f} ms  {r[3]:.2f}x sdpa  (vs tile kernel {r[4]:.1e})")
+        del cache
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--variants", default="default,nocap,cap128,unfused")
+    ap.add_argument("--skip-correctness", action="store_true")
+    args = ap.parse_args()
+    log(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    ok = True if args.skip_correctness else correctness()
+    rows = timing(args.reps, args.variants.split(","))
+    print("\n| case | kernel | ms | x SDPA | rel. diff vs tile kernel |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]:.4f} | {r[3]:.2f}x | {r[4]:.1e} |")
+    print("correctness:", "all within 2e-3" if ok else "FAILURES above")
+
+
+if __name__ == "__main__":
+    main()

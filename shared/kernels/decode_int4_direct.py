@@ -1,0 +1,299 @@
+"""Paged decode attention over INT4 pages, every page loaded straight into tensor-core operand
+registers (Gluon; GPU only): the register-direct design of `decode_direct.py` carried to 4-bit
+codes, with the scales folded out of the elements wherever the math allows.
+
+Keys (per channel c over the page: k = n s_c + m_c, s_c = cs_c s_step, m_c = cm_c m_step + m_base):
+    q . k_t = s_step (q * cs) . n_t + m_step (q . cm) + m_base sum(q)
+q * cs is the page's B operand (one fma a pair); the nibbles enter the MMA as fp16 subnormals
+n 2**-24 (one mask a pair, no conversion; the 2**-24 joins the scale); q . cm is one more MMA over
+the code bytes, whose 16 rows are all the same, against q.
+Values (per token t and 32-channel group: v = n s_t + m_t): the thread's channels lie in one group,
+so n s_t comes out of one fma a pair ((1024 + n) s - 1024 s, from the fp16 bit trick), in units of
+a per-page power of two F that keeps s near 1/8 (F's changes ride on the softmax rescale); the m
+part, m_step sum_t p_t cm_t + m_base sum_t p_t, is one small MMA over the code bytes (exact
+integers) and a running sum per head, both fp32, added to the output at the end.
+
+Fragments, layouts and the PTX: `int4_fragments.py`. Splits, the fused split reduction, the
+residual tail (full precision, one masked chunk) and the new token as in `decode_direct.py`.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvmesh.kernels.decode_direct import AVAILABILITY  # one switch for the Gluon kernels
+from kvmesh.kernels.int4_codec import HEADER  # bytes of the K and V headers of each head's K record
+from kvmesh.kernels.mma_fragments import CHUNK, HAVE_GLUON
+from kvmesh.kernels.paged_attention import LOG2E
+from kvmesh.kernels.split_partials import reduce_width
+from kvmesh.kernels.splits import COUNTERS, launch_split, num_sms, num_splits, resident_of
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    from kvmesh.kernels.int4_fragments import (b_operand, code_pairs, k_nibbles, logical_k, logical_k_fp16,
+                                               m_codes_operand, pack_f16x2, pair_words, q_pairs, rows_twice,
+                                               scaled_code_pairs, v_nibbles, v_words_layout, words_layout)
+    from kvmesh.kernels.split_partials import store_output
+    from kvmesh.kernels.mma_fragments import A_OP, B_OP, CHUNK_C, MMA, halves, tail_rows, to_fp16, v_layout, v_operand
+
+MAXNREG = 168  # 12 one-warp programs per SM
+FUSED_MAX_SPLITS = 4
+
+
+def supports(q: torch.Tensor, residual_dtype: torch.dtype, group: int, head_dim: int, block_size: int) -> bool:
+    """Whether this kernel serves the case (else `decode_int4.py` does): an fp16 or bf16 model, G <= 8
+    query heads per KV head, 16-token chunks, head_dim 64-256."""
+    return (HAVE_GLUON and AVAILABILITY.error is None and q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+            and q.dtype in (torch.float16, torch.bfloat16) and residual_dtype == q.dtype and 1 <= group <= 8
+            and head_dim in (64, 128, 256) and block_size % CHUNK == 0
+            and torch.cuda.get_device_capability(q.device) >= (8, 0))
+
+
+if HAVE_GLUON:
+    @gluon.jit
+    def _header(h):
+        """A header (uint64: bf16 m_base, m_step, s_step, 0) -> three fp32 scalars."""
+        m_base = (h.to(gl.uint32) << 16).to(gl.float32, bitcast=True)
+        m_step = ((h >> 16).to(gl.uint32) << 16).to(gl.float32, bitcast=True)
+        s_step = ((h >> 32).to(gl.uint32) << 16).to(gl.float32, bitcast=True)
+        return m_base, m_step, s_step
+
+    @gluon.jit
+    def _load_chunk(pool_ptr, bt_row, chunk, kvh, page_stride, layer_off, tk, wk, tv, wv, rc, wc, tp, gm,
+                    V_OFF: gl.constexpr, KS_OFF: gl.constexpr, VS_OFF: gl.constexpr, BS: gl.constexpr,
+                    D: gl.constexpr):
+        """One 16-token chunk's words: K [16, D/8], V [16, D/8], K s codes [8, D/4] (B side), K m codes
+        [16, D/4] (A side), V s codes [16, D/8] (u8 of each token's group of each word), V m codes
+        [8, 8] x 2 (token pairs, lane g's group), the page's K and V headers (uint64 each)."""
+        CPP: gl.constexpr = BS // CHUNK_C
+        NG: gl.constexpr = D // 32
+        page = gl.maximum(gl.load(bt_row + chunk // CPP), 0).to(gl.int64)  # -1 (never read) -> 0
+        base = page * page_stride + layer_off
+        row0 = kvh * BS + (chunk % CPP) * CHUNK_C
+        p32 = pool_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
+        kw = gl.load(p32 + base // 4 + ((row0 + tk) * (D // 8))[:, None] + wk[None, :])
+        vw = gl.load(p32 + (base + V_OFF) // 4 + ((row0 + tv) * (D // 8))[:, None] + wv[None, :])
+        rec = base + KS_OFF + kvh * (HEADER + 2 * D)
+        cs = gl.load(p32 + (rec + HEADER) // 4 + (rc * 0)[:, None] + wc[None, :])
+        cm = gl.load(p32 + (rec + HEADER + D) // 4 + (rc * 0)[:, None] + wc[None, :])
+        vrow = base + VS_OFF + (row0 * 2 * NG)
+        gg = gm * D // 256  # the group of lane g's V channels
+        vsa = gl.load(pool_ptr + vrow + (2 * tp * (2 * NG))[:, None] + gg[None, :])
+        vsb = gl.load(pool_ptr + vrow + ((2 * tp + 1) * (2 * NG))[:, None] + gg[None, :])
+        vma = gl.load(pool_ptr + vrow + NG + (2 * tp * (2 * NG))[:, None] + gg[None, :])
+        vmb = gl.load(pool_ptr + vrow + NG + ((2 * tp + 1) * (2 * NG))[:, None] + gg[None, :])
+        p64 = pool_ptr.to(gl.pointer_type(gl.uint64), bitcast=True)
+        return kw, vw, cs, cm, vsa, vsb, vma, vmb, gl.load(p64 + rec // 8), gl.load(p64 + rec // 8 + 1)
+
+    @gluon.jit
+    def _chunk(acc, accm, mb, m_i, l_i, f_cur, ql, qh, sq, neg1024, kw, vw, cs, cm, vsa, vsb, vma, vmb, hk, hv,
+               qk_scale, D: gl.constexpr, MAGIC: gl.constexpr):
+        """One 16-token chunk of full pages: scores, online softmax, V into acc (units of the page's
+        F), the V m part into accm / mb. Returns the updated state."""
+        zero = gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA)
+        k_mb, k_ms, k_ss = _header(hk)
+        v_mb, v_ms, v_ss = _header(hv)
+        # keys: qs = q' * cs / 256 (two instructions a pair), subnormal nibbles; q . cm against q'
+        qs_op = b_operand(logical_k(scaled_code_pairs(cs, ql, qh), D), D)
+        qp_op = b_operand(logical_k(q_pairs(ql, qh), D), D)
+        if MAGIC:  # nibbles as 1024 + n: 1024 x sum(qs) off the scores, through the same MMA
+            st = mma_v2(k_nibbles(kw, D, True), qs_op, mma_v2(neg1024, qs_op, zero))
+            k_unit = qk_scale * 256.0 * k_ss
+        else:  # subnormal nibbles, n 2**-24
+            st = mma_v2(k_nibbles(kw, D, False), qs_op, zero)
+            k_unit = qk_scale * 4294967296.0 * k_ss
+        cm_op = gl.convert_layout(rows_twice(logical_k(code_pairs(cm), D)), A_OP, assert_trivial=True)
+        qm = mma_v2(cm_op, qp_op, zero)  # sum q (4 + cm / 256), all rows alike
+        st = (st * k_unit + qm * (qk_scale * 256.0 * k_ms)
+              + sq * (qk_scale * (k_mb - 1024.0 * k_ms)))
+        m_new = gl.maximum(m_i, gl.max(st, axis=0))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(st - m_new[None, :])
+        sp = gl.sum(p, axis=0)
+        l_i = l_i * alpha + sp
+        pt = gl.convert_layout(p.to(gl.float16), B_OP)
+        # values: F = 2**(-3 - exponent of s_step) keeps the scale pairs below 64 (1024 s fits fp16)
+        f_new = ((251 - ((v_ss.to(gl.int32, bitcast=True) >> 23) & 0xFF)) << 23).to(gl.float32, bitcast=True)
+        vsf = v_ss * f_new
+        s2 = pack_f16x2(vsa.to(gl.float32) * vsf, vsb.to(gl.float32) * vsf)  # [8 tp, 8 g]: true scale x F
+        acc = mma_v2(v_nibbles(vw, s2, D), pt, acc * (alpha * (f_new / f_cur))[None, :])
+        mm = mma_v2(m_codes_operand(vma, vmb), pt, zero)  # sum_t p_t cm_t of each lane's group
+        accm = accm * alpha[None, :] + mm * v_ms
+        mb = mb * alpha + sp * v_mb
+        return acc, accm, mb, m_new, l_i, f_new
+
+    @gluon.jit(do_not_specialize=["num_splits"])
+    def decode_int4_direct_kernel(
+        q_ptr,  # fp16 or bf16 [B, H, D] new queries
+        k_ptr,  # [B, KVH, D] new keys (q's dtype)
+        v_ptr,  # [B, KVH, D] new values
+        out_ptr,  # [B, H, D] output (q's dtype; PARTIAL == False, or FUSED)
+        part_out_ptr,  # fp32 [B, H, splits, D] normalized partial outputs (PARTIAL)
+        part_lse_ptr,  # fp32 [B, H, splits] log2-sum-exp of each partial (PARTIAL)
+        count_ptr,  # int32 [>= B * KVH] zeros: splits done per (sequence, KV head) (FUSED; reset to 0)
+        pool_ptr,  # uint8 [num_pages, page_bytes]
+        res_ptr,  # [num_slots, layers, 2, KVH, BS, D] residual tails (q's dtype)
+        prefix_lens_ptr,  # int32 [B]
+        block_tables_ptr,  # int32 [B, max_pages]
+        residual_slots_ptr,  # int32 [B]
+        stride_qb, stride_qh, stride_kb, stride_vb, stride_ob, stride_oh, stride_bt,
+        page_stride,  # bytes between pages
+        layer_off,  # layer * layer_bytes
+        slot_stride, res_layer_off,  # residual elements between slots; layer offset inside a slot
+        qk_scale,  # softmax scale * log2(e)
+        num_splits,  # programs per (sequence, KV head) along the chunks
+        g_rows,  # = G, at run time (see decode_direct's q load)
+        V_OFF: gl.constexpr, KS_OFF: gl.constexpr, VS_OFF: gl.constexpr,
+        KVH: gl.constexpr, G: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, PARTIAL: gl.constexpr,
+        FUSED: gl.constexpr, BF16: gl.constexpr,
+        MAGIC: gl.constexpr,  # key nibbles as 1024 + n (normal fp16) instead of subnormals
+        RMAX: gl.constexpr = 4,  # FUSED: partials the reduction unrolls over (a power of two >= splits)
+    ):
+        LKW: gl.constexpr = words_layout(D // 8, 16)
+        LVW: gl.constexpr = v_words_layout(D)
+        LCB: gl.constexpr = words_layout(D // 4, 8)
+        LQ: gl.constexpr = words_layout(D, 16)
+        LM: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[4, 0]], lane_bases=[[1, 0], [2, 0], [0, 1], [0, 2],
+                                                      [0, 4]], warp_bases=[], block_bases=[], shape=[8, 8])
+        HL: gl.constexpr = gl.SliceLayout(0, MMA)  # [8] per query head of the group
+        TL: gl.constexpr = gl.SliceLayout(1, MMA)  # [16] per token of a chunk
+        b = gl.program_id(0)
+        kvh = gl.program_id(1)
+        split = gl.program_id(2)
+        prefix = gl.load(prefix_lens_ptr + b)
+        tk = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, LKW))
+        wk = gl.arange(0, D // 8, layout=gl.SliceLayout(0, LKW))
+        tv = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, LVW))
+        wv = gl.arange(0, D // 8, layout=gl.SliceLayout(0, LVW))
+        rc = gl.arange(0, 8, layout=gl.SliceLayout(1, LCB))
+        wc = gl.arange(0, D // 4, layout=gl.SliceLayout(0, LCB))
+        tp = gl.arange(0, 8, layout=gl.SliceLayout(1, LM))
+        gm = gl.arange(0, 8, layout=gl.SliceLayout(0, LM))
+        tq = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, LQ))
+        cq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))
+
+        # q' = q with 1/16 on odd channels (their nibbles decode 16x), B operand [D, 8]; sq = sum(q)
+        q_rows = q_ptr + b.to(gl.int64) * stride_qb + ((kvh * G + tq) * stride_qh)[:, None] + cq[None, :]
+        q = gl.load(q_rows, mask=(tq < g_rows)[:, None], other=0.0).to(gl.float32)  # [16, D]
+        if BF16:
+            qf, fq = to_fp16(q, tq < g_rows)
+            q = qf.to(gl.float32)
+            qk_scale = qk_scale * fq
+        qp = gl.where((cq % 2 == 1)[None, :], q * 0.0625, q).to(gl.float16)
+        qp_op = b_operand(halves(logical_k_fp16(qp, D)), D)
+        # q' as fp16 pairs in the K s codes' words (see scaled_code_pairs); the loop's B operands
+        q8 = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(qp.to(gl.float32), [2, 8, D]), [1, 2, 0]), [8, D, 2]),
+                               gl.BlockedLayout([1, D // 4, 2], [8, 4, 1], [1, 1, 1], [2, 1, 0]))
+        q8, q8_hi = gl.split(q8)  # heads 0-7 (rows 8-15 are padding)
+        ql, qh = pair_words(q8)
+        ql = gl.convert_layout(ql, LCB)
+        qh = gl.convert_layout(qh, LCB)
+        ones = gl.where((cq % 2 == 1)[None, :], 16.0, 1.0).to(gl.float16) + gl.zeros([CHUNK_C, D], gl.float16, LQ)
+        ones_op = gl.convert_layout(logical_k_fp16(ones, D), A_OP, assert_trivial=True)
+        sq = mma_v2(ones_op, qp_op, gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA))  # [16, 8]: sum(q)
+        neg1024 = gl.full([CHUNK_C, D], -1024.0, gl.float16, layout=A_OP)  # (MAGIC)
+
+        acc = gl.zeros([D, 8], gl.float32, layout=MMA)  # O^T of the n s part, x F
+        accm = gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA)  # m_step sum p cm, lane g's group
+        mb = gl.zeros([8], gl.float32, layout=HL)  # m_base sum p
+        m_i = gl.full([8], -1.0e30, gl.float32, layout=HL)
+        l_i = gl.zeros([8], gl.float32, layout=HL)
+        f_cur = prefix.to(gl.float32) * 0.0 + 1.0  # the current page's F (a tensor: loop-carried)
+
+        n_chunks = prefix // BS * (BS // CHUNK_C)
+        per_split = gl.cdiv(n_chunks, num_splits)
+        lo = split * per_split
+        hi = gl.minimum(n_chunks, lo + per_split)
+        bt_row = block_tables_ptr + b.to(gl.int64) * stride_bt
+        kw, vw, cs, cm, vsa, vsb, vma, vmb, hk, hv = _load_chunk(
+            pool_ptr, bt_row, gl.minimum(lo, gl.maximum(n_chunks - 1, 0)), kvh, page_stride, layer_off, tk, wk, tv,
+            wv, rc, wc, tp, gm, V_OFF, KS_OFF, VS_OFF, BS, D)
+        for c in range(lo, hi):
+            nxt = _load_chunk(pool_ptr, bt_row, gl.minimum(c + 1, hi - 1), kvh, page_stride, layer_off, tk, wk, tv,
+                              wv, rc, wc, tp, gm, V_OFF, KS_OFF, VS_OFF, BS, D)
+            acc, accm, mb, m_i, l_i, f_cur = _chunk(acc, accm, mb, m_i, l_i, f_cur, ql, qh, sq, neg1024, kw, vw,
+                                                     cs, cm, vsa, vsb, vma, vmb, hk, hv, qk_scale, D, MAGIC)
+            kw, vw, cs, cm, vsa, vsb, vma, vmb, hk, hv = nxt
+        acc = acc * (1.0 / f_cur)
+
+        # the last split: residual tail (prefix % BS tokens, full precision) and the new token, masked
+        if split == num_splits - 1:
+            LV: gl.constexpr = v_layout(D, False)
+            tv2 = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, LV))
+            cv2 = gl.arange(0, D, layout=gl.SliceLayout(0, LV))
+            qt = gl.load(q_rows, mask=(tq < g_rows)[:, None], other=0.0)
+            if BF16:
+                qt, fq2 = to_fp16(qt, tq < g_rows)
+            q_op = b_operand(halves(logical_k_fp16(qt.to(gl.float16), D)), D)
+            n_tail = prefix % BS
+            slot = gl.load(residual_slots_ptr + b).to(gl.int64)
+            res_k = res_ptr + slot * slot_stride + res_layer_off + kvh * BS * D
+            for t0 in range(0, n_tail + 1, CHUNK_C):
+                kf, vf, fk, fv = tail_rows(k_ptr + b.to(gl.int64) * stride_kb + kvh * D,
+                                           v_ptr + b.to(gl.int64) * stride_vb + kvh * D, res_k, t0, n_tail, tq, cq,
+                                           tv2, cv2, KVH, BS, D, BF16)
+                k_op = gl.convert_layout(logical_k_fp16(kf, D), A_OP, assert_trivial=True)
+                st = mma_v2(k_op, q_op, gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA)) * (qk_scale * fk)
+                valid = (t0 + gl.arange(0, CHUNK_C, layout=TL)) <= n_tail
+                st = gl.where(valid[:, None], st, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(st, axis=0))
+                alpha = gl.exp2(m_i - m_new)
+                p = gl.exp2(st - m_new[None, :])
+                l_i = l_i * alpha + gl.sum(p, axis=0)
+                pt = gl.convert_layout((p * fv).to(gl.float16), B_OP)
+                acc = mma_v2(v_operand(vf, D), pt, acc * alpha[None, :])
+                accm = accm * alpha[None, :]
+                mb = mb * alpha
+                m_i = m_new
+
+        # 3. add the m parts, normalize, back to memory channel order, store
+        acc3 = gl.reshape(acc, [D // CHUNK_C, CHUNK_C, 8])  # [m-tile, row in tile, head]
+        accm3 = gl.convert_layout(accm, gl.SliceLayout(0, acc3.type.layout), assert_trivial=True)
+        acc = gl.convert_layout(gl.reshape(acc3 + gl.expand_dims(accm3, 0), [D, 8]), MMA, assert_trivial=True)
+        l_safe = gl.where(l_i > 0.0, l_i, 1.0)
+        o = (acc + mb[None, :]) * (1.0 / l_safe)[None, :]
+        m = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
+        chan = (D // 8) * (m % 8) + m // 8  # memory channel of logical row m
+        store_output(o, chan, l_i, m_i, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, b, kvh, split, stride_ob,
+                     stride_oh, num_splits, KVH, G, D, PARTIAL, FUSED, RMAX)
+
+
+def decode_int4_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float, *,
+                       splits: int | None = None, fused: bool | None = None,
+                       maxnreg: int | None = -1, magic: bool = False) -> torch.Tensor:
+    """out [B, H, D] for q [B, H, D] fp16 or bf16 (one new token per sequence; k/v [B, KVH, D] its new
+    K/V) over int4 pages; `supports` must hold and the caller has checked the arguments. `splits`
+    overrides the split count, `fused` whether the last split reduces (None: up to
+    FUSED_MAX_SPLITS), `maxnreg` the register cap (-1: MAXNREG, None: none)."""
+    L = cache.layout
+    B, H, D = q.shape
+    G = H // L.kv_heads
+    bt = meta.block_tables
+    if bt.shape[1] == 0:  # the kernel reads entry 0 of a row even when a sequence has no pages
+        bt = torch.zeros(B, 1, dtype=torch.int32, device=q.device)
+    out = torch.empty_like(q)
+    res = cache.residual
+    counters = COUNTERS.get(q.device, B * L.kv_heads) if fused is not False else None
+    maxnreg = MAXNREG if maxnreg == -1 else maxnreg
+    args = dict(
+        q_ptr=q, k_ptr=k, v_ptr=v, out_ptr=out, count_ptr=counters if counters is not None else bt,
+        pool_ptr=cache.pool, res_ptr=res, prefix_lens_ptr=meta.prefix_lens, block_tables_ptr=bt,
+        residual_slots_ptr=meta.residual_slots,
+        stride_qb=q.stride(0), stride_qh=q.stride(1), stride_kb=k.stride(0), stride_vb=v.stride(0),
+        stride_ob=out.stride(0), stride_oh=out.stride(1), stride_bt=bt.stride(0),
+        page_stride=L.block_bytes, layer_off=layer * L.layer_bytes,
+        slot_stride=res.stride(0), res_layer_off=layer * res.stride(1), qk_scale=scale * LOG2E, g_rows=G,
+        V_OFF=L.v_data_offset, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset, KVH=L.kv_heads, G=G,
+        BS=L.block_size, D=D, FUSED=counters is not None, BF16=q.dtype == torch.bfloat16, MAGIC=magic, num_warps=1,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}))
+    if splits is None:
+        resident = resident_of("int4-direct", decode_int4_direct_kernel, args, q.device)
+        splits = num_splits(B, L.kv_heads, meta.max_prefix_len + 1, num_sms(q.device), resident, CHUNK)
+    if fused is None and args["FUSED"]:
+        args["FUSED"] = splits <= FUSED_MAX_SPLITS
+    args["RMAX"] = reduce_width(splits, FUSED_MAX_SPLITS)
+    return launch_split(decode_int4_direct_kernel, out, L.kv_heads, splits, args)
