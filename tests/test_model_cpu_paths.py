@@ -95,6 +95,54 @@ def test_packed_gate_up_is_silu_gate_times_up():
         PackedGateUp(w[:100], inter)
 
 
+def _amx():
+    from kvmesh.kernels.cpu_native import load
+    native = load()
+    if native is None or not native.amx_ready():
+        pytest.skip("no AMX here (or no C compiler): oneDNN serves every row count")
+    return native
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_linear_is_onednn_at_decode_row_counts(bias):
+    """The C AMX kernel (rows <= AMX_MAX_ROWS) gives oneDNN's bits up to 32 rows, plain and with the
+    residual add; past 32 rows (32-row chunks) each row is what it is alone, as at any row count."""
+    from kvmesh.model.packed_linear import AMX_MAX_ROWS
+    native = _amx()
+    gen = torch.Generator().manual_seed(23 + bias)
+    w = torch.randn(960, 576, generator=gen).bfloat16()
+    b = torch.randn(960, generator=gen).bfloat16() if bias else None
+    lin, onednn = PackedBf16Linear(w, b, native), PackedBf16Linear(w, b)
+    assert lin.amx is not None and onednn.amx is None
+    for rows in (1, 5, 16, 17, 32, 33, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
+        x = torch.randn(rows, 576, generator=gen).bfloat16()
+        other = torch.randn(rows, 960, generator=gen).bfloat16()
+        got, added = lin(x), lin.add_to(x, other)
+        if rows <= 32 or rows > AMX_MAX_ROWS:
+            assert torch.equal(got, F.linear(x, w, b)) and torch.equal(added, onednn.add_to(x, other))
+        one = torch.cat([lin(x[i:i + 1]) for i in range(rows)])
+        assert torch.equal(got, one) or rows > AMX_MAX_ROWS  # a row's result does not depend on the batch
+    xt = torch.randn(8, 700, generator=gen).bfloat16()[:, :576]  # strided rows
+    assert torch.equal(lin(xt), F.linear(xt, w, b))
+    assert PackedBf16Linear(torch.randn(100, 576).bfloat16(), None, native).amx is None  # N % 32: oneDNN
+
+
+@needs_onednn_bf16
+def test_amx_gate_up_rounds_silu_as_onednn():
+    native = _amx()
+    gen = torch.Generator().manual_seed(6)
+    inter = 1536
+    w = (torch.randn(2 * inter, 576, generator=gen) * 0.05).bfloat16()
+    lin = PackedGateUp(w, inter, native)
+    assert lin.amx is not None
+    for rows in (1, 20, 32, 64):
+        x = (torch.randn(rows, 576, generator=gen) * 4).bfloat16()
+        want = lin.up.mul_by(x, lin.gate.silu(x))  # oneDNN: silu(gate) rounded to bf16, times up
+        # only silu's float32 approximations differ, then both round: within one bf16 step
+        torch.testing.assert_close(lin.silu_mul(x).float(), want.float(), rtol=2 ** -7, atol=1e-3)
+
+
 def test_packed_linears_reject_other_weight_dtypes():
     with pytest.raises(ValueError, match="float32"):
         PackedLinear(torch.zeros(4, 4, dtype=torch.bfloat16), None)

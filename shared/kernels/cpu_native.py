@@ -110,12 +110,50 @@ class NativeKernels:
         self._rope = pick("kvmesh_rope_bf16")
         self._rope.restype = None
         self._rope.argtypes = [_P, _I, _I, _P, _P, _P, _I, _I]
+        self._amx_init, self._amx_pack, self._amx_linear = lib.kvmesh_amx_init, lib.kvmesh_amx_pack, lib.kvmesh_amx_linear
+        self._amx_init.restype = ctypes.c_int
+        self._amx_init.argtypes = []
+        self._amx_pack.restype = None
+        self._amx_pack.argtypes = [_P, _I, _I, _P]
+        self._amx_linear.restype = None
+        self._amx_linear.argtypes = [_P, _I, _P, _P, _I, _I, _P, _I, _I, ctypes.c_int, _P, _I]
+        self._amx_ok: bool | None = None
         self._argmax = {}
         for dtype, name in ((torch.float32, "kvmesh_argmax_f32"), (torch.bfloat16, "kvmesh_argmax_bf16")):
             fn = pick(name)
             fn.restype = None
             fn.argtypes = [_P, _I, _I, _I, _P]
             self._argmax[dtype] = fn
+
+    def amx_ready(self) -> bool:
+        """Whether the AMX linear runs here (built for AMX, and Linux granted the tile state)."""
+        if self._amx_ok is None:
+            self._amx_ok = self._amx_init() == 0
+        return self._amx_ok
+
+    def amx_pack(self, w: torch.Tensor) -> torch.Tensor:
+        """w [N, K] bf16 -> its AMX tiles (bf16 [N * K]) for `amx_linear`; N % 32 == 0, K % 32 == 0."""
+        N, K = w.shape
+        if w.dtype != torch.bfloat16 or N % 32 or K % 32 or not self.amx_ready():
+            raise ValueError(f"NativeKernels.amx_pack: wants bf16 [N, K] with N and K multiples of 32 on an "
+                             f"AMX CPU, got {w.dtype} {tuple(w.shape)}")
+        out = torch.empty(N * K, dtype=torch.bfloat16)
+        self._amx_pack(w.contiguous().data_ptr(), N, K, out.data_ptr())
+        return out
+
+    def amx_linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+                   op: int = 0, other: torch.Tensor | None = None) -> torch.Tensor:
+        """op(x Wᵀ + bias) for W [n, K] packed by `amx_pack`: x [M, K] bf16 (rows may be strided);
+        op 0: [M, n]; 1: + other [M, n] bf16 (rows may be strided); 2: silu(x Gᵀ) * (x Uᵀ) for
+        W = [G; U], [M, n / 2]. The caller checks shapes (`PackedBf16Linear`: once, at packing)."""
+        M, K = x.shape
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        out = torch.empty((M, n // 2 if op == 2 else n), dtype=torch.bfloat16)
+        self._amx_linear(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                         n, K, out.data_ptr(), out.stride(0), M, op,
+                         None if other is None else other.data_ptr(), 0 if other is None else other.stride(0))
+        return out
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [N, V] float32 or bf16 on the CPU (rows may be strided) -> int64 [N], the first index

@@ -4,9 +4,11 @@ decode attention over the paged pool, the decode step's residual writes, bf16 RM
 Kept apart from the Python wrappers so each file stays one concept. Compiled with -march=native:
 where the CPU has AVX-512 (with BF16), the exported entry points take the vectorized kernels of
 `native_avx512.py` (decode attention for head_dim 32, 64 and 128, RMSNorm, RoPE); the portable
-kernels here serve every other case and machine (and tests compare the two).
+kernels here serve every other case and machine (and tests compare the two). `native_amx.py`: the
+AMX bf16 linear for decode-sized row counts (no portable twin: without AMX, oneDNN serves).
 """
 
+from kvmesh.kernels.native_amx import AMX
 from kvmesh.kernels.native_avx512 import AVX512
 
 PORTABLE = r"""
@@ -256,4 +258,4 @@ void kvmesh_argmax_bf16(const bf16* x, int64_t xstride, int64_t rows, int64_t n,
 }
 """
 
-SOURCE = PORTABLE + AVX512 + ENTRIES
+SOURCE = PORTABLE + AVX512 + AMX + ENTRIES

@@ -162,21 +162,25 @@ class LlamaForCausalLM(nn.Module):
         w = self.embed_tokens.weight
         if w.dtype not in (torch.float32, torch.bfloat16) or w.device.type != "cpu":
             return False
+        # bf16: the C kernels (None without a C compiler: torch's ops stay) for RMSNorm, RoPE and
+        # the AMX linears of decode steps
+        native = load_native() if w.dtype == torch.bfloat16 else None
         if w.dtype == torch.bfloat16 and onednn_bf16_packing_works():
             for layer in self.layers:  # before pack_linears, which would pack gate_up whole
                 m = layer.mlp
-                m.gate_up_proj = PackedGateUp(m.gate_up_proj.weight, m.inter)
+                m.gate_up_proj = PackedGateUp(m.gate_up_proj.weight, m.inter, native)
         if w.dtype == torch.bfloat16:
-            native = load_native()  # None without a C compiler: torch's rms_norm stays
             for m in [self.norm] + [m for layer in self.layers
                                     for m in (layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm)]:
-                m.native = native  # RMSNorm, RoPE in C
-        if not pack_linears(self):
+                m.native = native
+        if not pack_linears(self, native):
             return False
         if self.lm_head is not None:
             self.logits_head = self.lm_head
+        elif w.dtype == torch.float32:
+            self.logits_head = PackedLinear(w, None)
         else:
-            self.logits_head = (PackedLinear if w.dtype == torch.float32 else PackedBf16Linear)(w, None)
+            self.logits_head = PackedBf16Linear(w, None, native)
         return True
 
     # -- weights --------------------------------------------------------------------------------

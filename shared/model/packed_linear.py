@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvmesh.kernels.cpu_native import NativeKernels
+
 
 @functools.lru_cache(maxsize=1)
 def mkl_packing_works() -> bool:
@@ -103,12 +105,24 @@ def onednn_bf16_packing_works() -> bool:
 
 
 PACK_ROWS = 32  # the row count oneDNN picks its weight layout for; serves any row count
+AMX_MAX_ROWS = 64  # up to here (decode steps) the AMX kernel, beyond it (prompts) oneDNN
+
+
+def _amx_tiles(native: NativeKernels | None, weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight's AMX tiles where the C AMX linear runs here and takes its shape, else None."""
+    N, K = weight.shape
+    if native is None or N % 32 or K % 32 or not native.amx_ready():
+        return None
+    return native.amx_pack(weight.detach())
 
 
 class PackedBf16Linear(nn.Module):
-    """y = x Wᵀ + b through oneDNN with a pre-packed bf16 weight. x: [..., K] bf16 -> [..., N]."""
+    """y = x Wᵀ + b through oneDNN with a pre-packed bf16 weight; with `native` on an AMX CPU, up
+    to AMX_MAX_ROWS rows through the C AMX kernel (`kernels/native_amx.py`: the weight read as one
+    stream, 1.4-2x oneDNN's speed at decode row counts; its tiles are a third copy of the weight).
+    x: [..., K] bf16 -> [..., N]."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, native: NativeKernels | None = None) -> None:
         super().__init__()
         if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
             raise ValueError(f"PackedBf16Linear needs a 2-d bfloat16 CPU weight, got {weight.dtype} "
@@ -117,8 +131,15 @@ class PackedBf16Linear(nn.Module):
         self.bias = bias  # [N] or None
         # a plain attribute, not a buffer: an MKL-DNN tensor must not enter state_dict or .to()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
+        self.native = native
+        self.amx = _amx_tiles(native, weight)  # bf16 [N * K] or None (plain attribute, as `packed`)
+
+    def _amx_rows(self, x: torch.Tensor) -> bool:
+        return self.amx is not None and x.dim() == 2 and 0 < x.shape[0] <= AMX_MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._amx_rows(x):
+            return self.native.amx_linear(x, self.amx, self.weight.shape[0], self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
@@ -131,6 +152,8 @@ class PackedBf16Linear(nn.Module):
 
     def add_to(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """other + x Wᵀ + b, other [..., N] of x's dtype (the residual add)."""
+        if self._amx_rows(x) and other.dim() == 2 and other.stride(1) == 1 and other.dtype == torch.bfloat16:
+            return self.native.amx_linear(x, self.amx, self.weight.shape[0], self.bias, op=1, other=other)
         return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "add")
 
 
@@ -139,15 +162,20 @@ class PackedGateUp(nn.Module):
     two packed GEMMs, silu in the first's epilogue, * in the second's (2048 x 576 prompt rows at one
     thread, whole MLP: 29.5 -> 12.6 ms; 32 rows 0.84 -> 0.52 ms). x: [..., K] bf16 -> [..., I]."""
 
-    def __init__(self, weight: torch.Tensor, inter: int) -> None:
+    def __init__(self, weight: torch.Tensor, inter: int, native: NativeKernels | None = None) -> None:
         super().__init__()
         if weight.dim() != 2 or weight.shape[0] != 2 * inter:
             raise ValueError(f"PackedGateUp needs a [2 * {inter}, K] weight, got {tuple(weight.shape)}")
         self.weight = weight  # [2I, K] (the original, for other readers; row halves are views of it)
         self.gate = PackedBf16Linear(weight[:inter], None)
         self.up = PackedBf16Linear(weight[inter:], None)
+        # decode rows: one AMX pass over [G; U], silu(g) rounded to bf16 times u (oneDNN's numerics)
+        self.native = native
+        self.amx = _amx_tiles(native, weight)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.amx is not None and x.dim() == 2 and 0 < x.shape[0] <= AMX_MAX_ROWS:
+            return self.native.amx_linear(x, self.amx, self.weight.shape[0], op=2)
         return self.up.mul_by(x, self.gate.silu(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -155,27 +183,27 @@ class PackedGateUp(nn.Module):
         return torch.cat([self.gate(x), self.up(x)], dim=-1)
 
 
-def packed(lin: nn.Linear) -> nn.Module | None:
-    """The packed form of a CPU linear layer (fp32: MKL, bf16: oneDNN), or None where this torch
-    build or CPU has no packed GEMM for its dtype."""
+def packed(lin: nn.Linear, native: NativeKernels | None = None) -> nn.Module | None:
+    """The packed form of a CPU linear layer (fp32: MKL, bf16: oneDNN, and AMX for decode rows with
+    `native`), or None where this torch build or CPU has no packed GEMM for its dtype."""
     w = lin.weight
     if w.device.type != "cpu":
         return None
     if w.dtype == torch.float32 and mkl_packing_works():
         return PackedLinear(w, lin.bias)
     if w.dtype == torch.bfloat16 and onednn_bf16_packing_works():
-        return PackedBf16Linear(w, lin.bias)
+        return PackedBf16Linear(w, lin.bias, native)
     return None
 
 
-def pack_linears(module: nn.Module) -> int:
+def pack_linears(module: nn.Module, native: NativeKernels | None = None) -> int:
     """Replaces every CPU `nn.Linear` under `module` that `packed` can pack (fp32, bf16) by its
     packed form over the same parameters; returns how many it replaced."""
     swaps = [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()
              if type(child) is nn.Linear]
     n = 0
     for parent, name, child in swaps:
-        p = packed(child)
+        p = packed(child, native)
         if p is not None:
             setattr(parent, name, p)
             n += 1
