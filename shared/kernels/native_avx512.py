@@ -11,7 +11,8 @@ summed in another order.
 # (bf16: vdpbf16ps on the stored pairs, no conversion; products exact, sums in float32), the 16
 # partial vectors summed by a transposing tree instead of a horizontal sum per key. Probabilities
 # times values in float32, every head's accumulators in registers over all value rows (the portable
-# kernel loads and converts each value row once per head).
+# kernel loads and converts each value row once per head). Software prefetch of the next block of
+# keys and of this block's values (SmolLM2 bf16 batch 32, in the model: 10.6 -> ~8 ms a step).
 AVX512 = r"""
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define KVMESH_AVX512 1
@@ -30,6 +31,11 @@ static inline __m512 red2(__m512 a, __m512 b) {
 static inline __m512 red3(__m512 a, __m512 b) { return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE)); }
 static inline __m512 red4(__m512 a, __m512 b) { return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD)); }
 
+/* prefetch rows [i0, i0 + 16) of `bytes` each (the next block of keys, this block of values):
+   a sequence's rows lie in 2 KB runs, one per page, far apart */
+#define pf16(rows, i0, bytes, hint)                                                                 \
+    for (int64_t i_ = (i0); i_ < (i0) + 16; i_++)                                                   \
+        for (int64_t c_ = 0; c_ < (bytes); c_ += 64) _mm_prefetch((const char*)(rows)[i_] + c_, hint)
 /* q·k partial vectors: QV the query register type, QW elements per register */
 #define QV_f32 __m512
 #define QW_f32 16
@@ -51,6 +57,8 @@ static void NAME(const T* q, const T* const* kr, const T* const* vr, int64_t n, 
         for (int j = 0; j < QN; j++) qv[r][j] = QLD_##T(q + r * NV * 16 + j * QW_##T);              \
     const __m512 sv = _mm512_set1_ps(scale);                                                        \
     for (int64_t b = 0; b < npad; b += 16) {                                                        \
+        pf16((const void* const*)kr, b + 16 < npad ? b + 16 : b, NV * 16 * sizeof(T), _MM_HINT_T0);   \
+        pf16((const void* const*)vr, b, NV * 16 * sizeof(T), _MM_HINT_T1);                           \
         __m512 u[RB][4];                                                                            \
         for (int c = 0; c < 4; c++) {  /* keys b + 4c .. b + 4c + 3 */                              \
             __m512 a[RB][4];                                                                        \
