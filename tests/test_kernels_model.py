@@ -98,10 +98,10 @@ def test_greedy_generation_matches_torch_backend(kv):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "int8", "int4"])
 def test_gpu_half_model_direct_decode_matches_torch_backend(kv, dtype):
-    # fp16 / bf16 models with head_dim 64: decode steps take the register-direct kernel
-    # (decode_direct.py), prefill the prefill kernel, and each step's cache write feeds the next
+    # fp16 / bf16 models with head_dim 64: decode steps take the register-direct kernels
+    # (decode_direct.py, decode_int4_direct.py), prefill the prefill kernel, and each step's cache write feeds the next
     # step's direct read
     model = tiny_model("cuda", head_dim=64).to(dtype)
     g = torch.Generator().manual_seed(2)
