@@ -10,8 +10,9 @@ processes on a shared machine). The greedy tokens of the two sides are compared 
 (fp32: they agree except where two logits nearly tie; bf16: about half the sequences part somewhere
 in 64 tokens of random prompts, at near-ties bf16 cannot order, one bf16 step at |logit| 32-64 being
 0.25: tests/test_engine_bf16_cpu.py checks the bf16 numerics on real text). kvmesh runs its CPU
-serving path: pre-packed weights, and C kernels (decode attention, bf16 RMSNorm and RoPE) compiled on
-first use, before the timed runs.
+serving path: pre-packed weights, and C kernels (decode attention, bf16 RMSNorm and RoPE, greedy
+argmax, on AMX CPUs the bf16 linears of decode steps) compiled on first use, before the timed runs;
+transformers runs `generate` as shipped (its default attention, greedy, the KV cache it picks).
 
     .venv/bin/python benchmarks/throughput.py [--threads 1] [--batch-sizes 1,8,32] [--prompt-len 64]
         [--new-tokens 64] [--repeats 2] [--dtype fp32] [--kv-cache-dtype auto]
