@@ -89,12 +89,37 @@ def timing(reps: int, variants: list[str]) -> list:
     return rows
 
 
+def split_sweep(reps: int, counts: list[int]) -> None:
+    """Speedup vs SDPA of the shipped variant at forced split counts (and the launcher's choice)."""
+    print("\n| case | " + " | ".join(f"{c} splits" for c in counts) + " | launcher |")
+    print("|---" * (len(counts) + 2) + "|")
+    for batch, ctx in kb.DECODE_CASES:
+        case = kb.decode_case(batch, ctx)
+        t_sdpa, _ = kb.time_sdpa(case, reps)
+        cache = kb.filled_cache("int4", case.k_rows, case.v_rows, case.n_pages, case.perm)
+        meta = kb.decode_meta(batch, ctx, case.perm, cache.layout)
+        q = case.qs[:, :, 0].contiguous()
+        kn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=case.gen)
+        vn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=case.gen)
+        cells = []
+        for c in counts + [None]:
+            t = kb.time_ms(lambda: decode_int4_direct(cache, 0, q, kn, vn, meta, kb.D ** -0.5, splits=c), reps)
+            cells.append(f"{t_sdpa / t:.2f}x")
+        print(f"| {batch}x{ctx} | " + " | ".join(cells) + " |", flush=True)
+        del cache
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--variants", default="default,nocap,cap128,unfused")
     ap.add_argument("--skip-correctness", action="store_true")
+    ap.add_argument("--split-sweep", default="", help="e.g. 1,2,3,4,8: time these split counts instead")
     args = ap.parse_args()
+    if args.split_sweep:
+        split_sweep(args.reps, [int(c) for c in args.split_sweep.split(",")])
+        return
     log(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     ok = True if args.skip_correctness else correctness()
     rows = timing(args.reps, args.variants.split(","))
