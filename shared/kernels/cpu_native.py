@@ -109,7 +109,7 @@ class NativeKernels:
         self._write.argtypes = [_P, _P, _I, _I, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I]
         self._rope = pick("kvmesh_rope_bf16")
         self._rope.restype = None
-        self._rope.argtypes = [_P, _I, _I, _P, _P, _P, _I, _I]
+        self._rope.argtypes = [_P, _I, _I, _P, _P, _P, _I, _I, _I]
         self._amx_init, self._amx_pack, self._amx_linear = lib.kvmesh_amx_init, lib.kvmesh_amx_pack, lib.kvmesh_amx_linear
         self._amx_init.restype = ctypes.c_int
         self._amx_init.argtypes = []
@@ -118,6 +118,12 @@ class NativeKernels:
         self._amx_linear.restype = None
         self._amx_linear.argtypes = [_P, _I, _P, _P, _I, _I, _P, _I, _I, ctypes.c_int, _P, _I]
         self._amx_ok: bool | None = None
+        # one decoder layer of a decode step (`native_decode_layer.py`); `model/native_decode.py`
+        # builds its arguments
+        self.decode_layer = lib.kvmesh_decode_layer
+        self.decode_layer.restype = ctypes.c_int
+        self.decode_layer.argtypes = ([_P, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_float] + [_P] * 10
+                                      + [_I, _P, _P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P])
         self._argmax = {}
         for dtype, name in ((torch.float32, "kvmesh_argmax_f32"), (torch.bfloat16, "kvmesh_argmax_bf16")):
             fn = pick(name)
@@ -191,7 +197,7 @@ class NativeKernels:
                              f"{tuple(x.shape)} strides {x.stride()}")
         c, s = cos.reshape(T, D).contiguous(), sin.reshape(T, D).contiguous()
         out = torch.empty((T, heads, D), dtype=x.dtype)
-        self._rope(x.data_ptr(), x.stride(0), heads, c.data_ptr(), s.data_ptr(), out.data_ptr(), T, D)
+        self._rope(x.data_ptr(), x.stride(0), heads, c.data_ptr(), s.data_ptr(), out.data_ptr(), out.stride(0), T, D)
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -169,7 +169,7 @@ static inline void st16_bf16(uint16_t* p, __m512 x) {
 void kvmesh_portable_rms_norm_bf16(const uint16_t* x, int64_t xstride, const uint16_t* w, uint16_t* out,
                                    int64_t rows, int64_t dim, float eps);
 void kvmesh_portable_rope_bf16(const uint16_t* x, int64_t xrow, int64_t heads, const uint16_t* cs,
-                               const uint16_t* sn, uint16_t* out, int64_t T, int64_t D);
+                               const uint16_t* sn, uint16_t* out, int64_t orow, int64_t T, int64_t D);
 static void fast_rms_norm_bf16(const uint16_t* x, int64_t xstride, const uint16_t* w, uint16_t* out,
                                int64_t rows, int64_t dim, float eps) {
     if (dim % 16) { kvmesh_portable_rms_norm_bf16(x, xstride, w, out, rows, dim, eps); return; }
@@ -183,16 +183,16 @@ static void fast_rms_norm_bf16(const uint16_t* x, int64_t xstride, const uint16_
     }
 }
 static void fast_rope_bf16(const uint16_t* x, int64_t xrow, int64_t heads, const uint16_t* cs, const uint16_t* sn,
-                           uint16_t* out, int64_t T, int64_t D) {
+                           uint16_t* out, int64_t orow, int64_t T, int64_t D) {
     const int64_t half = D / 2;
-    if (half % 16) { kvmesh_portable_rope_bf16(x, xrow, heads, cs, sn, out, T, D); return; }
+    if (half % 16) { kvmesh_portable_rope_bf16(x, xrow, heads, cs, sn, out, orow, T, D); return; }
     for (int64_t t = 0; t < T; t++)
         for (int64_t d = 0; d < half; d += 16) {
             const __m512 c1 = v16_bf16(cs + t * D + d), c2 = v16_bf16(cs + t * D + d + half);
             const __m512 s1 = v16_bf16(sn + t * D + d), s2 = v16_bf16(sn + t * D + d + half);
             for (int64_t h = 0; h < heads; h++) {
                 const uint16_t* xr = x + t * xrow + h * D;
-                uint16_t* o = out + (t * heads + h) * D;
+                uint16_t* o = out + t * orow + h * D;
                 const __m512 a = v16_bf16(xr + d), b = v16_bf16(xr + d + half);
                 st16_bf16(o + d, _mm512_sub_ps(_mm512_mul_ps(a, c1), _mm512_mul_ps(b, s1)));
                 st16_bf16(o + d + half, _mm512_add_ps(_mm512_mul_ps(b, c2), _mm512_mul_ps(a, s2)));

@@ -5,11 +5,13 @@ Kept apart from the Python wrappers so each file stays one concept. Compiled wit
 where the CPU has AVX-512 (with BF16), the exported entry points take the vectorized kernels of
 `native_avx512.py` (decode attention for head_dim 32, 64 and 128, RMSNorm, RoPE); the portable
 kernels here serve every other case and machine (and tests compare the two). `native_amx.py`: the
-AMX bf16 linear for decode-sized row counts (no portable twin: without AMX, oneDNN serves).
+AMX bf16 linear for decode-sized row counts (no portable twin: without AMX, oneDNN serves);
+`native_decode_layer.py`: a whole decoder layer of a decode step in one call, from these kernels.
 """
 
 from kvmesh.kernels.native_amx import AMX
 from kvmesh.kernels.native_avx512 import AVX512
+from kvmesh.kernels.native_decode_layer import DECODE_LAYER
 
 PORTABLE = r"""
 #include <math.h>
@@ -175,18 +177,19 @@ void kvmesh_residual_write(const char* k, const char* v, int64_t krow, int64_t v
         }
 }
 
-/* x [T, heads, D] bf16 (rows at x + t * xrow, heads contiguous), cos/sin [T, D] bf16, out [T, heads, D]:
+/* x [T, heads, D] bf16 (rows at x + t * xrow, heads contiguous), cos/sin [T, D] bf16, out [T, heads, D]
+   (rows orow apart; out may be x: each pair is read before it is written):
    out = x * cos + rotate_half(x) * sin (HF's convention: first half pairs with second), float32
    inside, one rounding */
 void kvmesh_portable_rope_bf16(const uint16_t* x, int64_t xrow, int64_t heads, const uint16_t* cs, const uint16_t* sn,
-                      uint16_t* out, int64_t T, int64_t D) {
+                      uint16_t* out, int64_t orow, int64_t T, int64_t D) {
     const int64_t half = D / 2;
     for (int64_t t = 0; t < T; t++) {
         const uint16_t* c = cs + t * D;
         const uint16_t* s = sn + t * D;
         for (int64_t h = 0; h < heads; h++) {
             const uint16_t* xr = x + t * xrow + h * D;
-            uint16_t* o = out + (t * heads + h) * D;
+            uint16_t* o = out + t * orow + h * D;
             for (int64_t d = 0; d < half; d++) {
                 const float a = ld_bf16(xr + d), b = ld_bf16(xr + d + half);
                 st_bf16(o + d, a * ld_bf16(c + d) - b * ld_bf16(s + d));
@@ -247,8 +250,8 @@ void kvmesh_rms_norm_bf16(const uint16_t* x, int64_t xstride, const uint16_t* w,
     fast_rms_norm_bf16(x, xstride, w, out, rows, dim, eps);
 }
 void kvmesh_rope_bf16(const uint16_t* x, int64_t xrow, int64_t heads, const uint16_t* cs, const uint16_t* sn,
-                      uint16_t* out, int64_t T, int64_t D) {
-    fast_rope_bf16(x, xrow, heads, cs, sn, out, T, D);
+                      uint16_t* out, int64_t orow, int64_t T, int64_t D) {
+    fast_rope_bf16(x, xrow, heads, cs, sn, out, orow, T, D);
 }
 void kvmesh_argmax_f32(const f32* x, int64_t xstride, int64_t rows, int64_t n, int64_t* idx) {
     fast_argmax_f32(x, xstride, rows, n, idx);
@@ -258,4 +261,4 @@ void kvmesh_argmax_bf16(const bf16* x, int64_t xstride, int64_t rows, int64_t n,
 }
 """
 
-SOURCE = PORTABLE + AVX512 + AMX + ENTRIES
+SOURCE = PORTABLE + AVX512 + AMX + ENTRIES + DECODE_LAYER

@@ -18,6 +18,7 @@ from kvmesh.kernels.cpu_native import NativeKernels
 from kvmesh.kernels.cpu_native import load as load_native
 from kvmesh.kv.pool import KVCache
 from kvmesh.model.config import ModelConfig
+from kvmesh.model.native_decode import NativeDecodeStep
 from kvmesh.model.packed_linear import (PackedBf16Linear, PackedGateUp, PackedLinear, onednn_bf16_packing_works,
                                         pack_linears)
 from kvmesh.model.rope import RotaryEmbedding
@@ -120,6 +121,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.logits_head: nn.Module | None = None  # set by pack_for_cpu: the output head, packed
+        self.native_decode: NativeDecodeStep | None = None  # set by pack_for_cpu (bf16, AMX): decode steps in C
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -127,6 +129,8 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: int [T] -> final-normed hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)  # [T, 1, D]
+        if self.native_decode is not None and self.native_decode.takes(x, meta, cache, backend):
+            return self.norm(self.native_decode.run(x, cos, sin, meta, cache))  # every layer in C, same bits
         for layer in self.layers:
             x = layer(x, cos, sin, meta, cache, backend)
         return self.norm(x)
@@ -181,6 +185,7 @@ class LlamaForCausalLM(nn.Module):
             self.logits_head = PackedLinear(w, None)
         else:
             self.logits_head = PackedBf16Linear(w, None, native)
+        self.native_decode = NativeDecodeStep.build(self, native)
         return True
 
     # -- weights --------------------------------------------------------------------------------
