@@ -63,30 +63,33 @@ if HAVE_GLUON:
         return m_base, m_step, s_step
 
     @gluon.jit
-    def _load_chunk(pool_ptr, bt_row, chunk, kvh, page_stride, layer_off, tk, wk, tv, wv, rc, wc, tp, gm,
-                    V_OFF: gl.constexpr, KS_OFF: gl.constexpr, VS_OFF: gl.constexpr, BS: gl.constexpr,
-                    D: gl.constexpr):
-        """One 16-token chunk's words: K [16, D/8], V [16, D/8], K s codes [8, D/4] (B side), K m codes
-        [16, D/4] (A side), V s codes [16, D/8] (u8 of each token's group of each word), V m codes
-        [8, 8] x 2 (token pairs, lane g's group), the page's K and V headers (uint64 each)."""
+    def _load_chunk(pool_ptr, bt_row, chunk, page_stride, layer_off, ko, vo, co, so, rec,
+                    BS: gl.constexpr, D: gl.constexpr):
+        """One 16-token chunk's words: K [16, D/8], V [16, D/8], K s and m codes [8, D/4] (both B-side
+        layout), V s and m codes [8, 8] x 2 each (token pairs, lane g's group), the page's K and V
+        headers (uint64 each). ko / vo / co (32-bit words) and so (bytes): the loop-invariant
+        offsets of the thread's elements inside a page's layer region, rec: the head's K record
+        there; one 64-bit page pointer a chunk, so each load costs one address at most."""
         CPP: gl.constexpr = BS // CHUNK_C
         NG: gl.constexpr = D // 32
         page = gl.maximum(gl.load(bt_row + chunk // CPP), 0).to(gl.int64)  # -1 (never read) -> 0
-        base = page * page_stride + layer_off
-        row0 = kvh * BS + (chunk % CPP) * CHUNK_C
-        p32 = pool_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
-        kw = gl.load(p32 + base // 4 + ((row0 + tk) * (D // 8))[:, None] + wk[None, :])
-        vw = gl.load(p32 + (base + V_OFF) // 4 + ((row0 + tv) * (D // 8))[:, None] + wv[None, :])
-        rec = base + KS_OFF + kvh * (HEADER + 2 * D)
-        cs = gl.load(p32 + (rec + HEADER) // 4 + (rc * 0)[:, None] + wc[None, :])
-        cm = gl.load(p32 + (rec + HEADER + D) // 4 + (rc * 0)[:, None] + wc[None, :])
-        vrow = base + VS_OFF + (row0 * 2 * NG)
-        gg = gm * D // 256  # the group of lane g's V channels
-        vsa = gl.load(pool_ptr + vrow + (2 * tp * (2 * NG))[:, None] + gg[None, :])
-        vsb = gl.load(pool_ptr + vrow + ((2 * tp + 1) * (2 * NG))[:, None] + gg[None, :])
-        vma = gl.load(pool_ptr + vrow + NG + (2 * tp * (2 * NG))[:, None] + gg[None, :])
-        vmb = gl.load(pool_ptr + vrow + NG + ((2 * tp + 1) * (2 * NG))[:, None] + gg[None, :])
-        p64 = pool_ptr.to(gl.pointer_type(gl.uint64), bitcast=True)
+        pb = pool_ptr + (page * page_stride + layer_off)
+        p32 = pb.to(gl.pointer_type(gl.uint32), bitcast=True)
+        if CPP > 1:  # the chunk's rows inside the page
+            r = (chunk % CPP) * CHUNK_C
+            kw = gl.load(p32 + (ko + r * (D // 8)))
+            vw = gl.load(p32 + (vo + r * (D // 8)))
+            so = so + r * (2 * NG)
+        else:
+            kw = gl.load(p32 + ko)
+            vw = gl.load(p32 + vo)
+        cs = gl.load(p32 + co)
+        cm = gl.load(p32 + (co + D // 4))
+        vsa = gl.load(pb + so)
+        vsb = gl.load(pb + (so + 2 * NG))
+        vma = gl.load(pb + (so + NG))
+        vmb = gl.load(pb + (so + 3 * NG))
+        p64 = pb.to(gl.pointer_type(gl.uint64), bitcast=True)
         return kw, vw, cs, cm, vsa, vsb, vma, vmb, gl.load(p64 + rec // 8), gl.load(p64 + rec // 8 + 1)
 
     @gluon.jit
@@ -115,15 +118,17 @@ if HAVE_GLUON:
         p = gl.exp2(st - m_new[None, :])
         sp = gl.sum(p, axis=0)
         l_i = l_i * alpha + sp
+        mb = mb * alpha + sp * v_mb
         pt = gl.convert_layout(p.to(gl.float16), B_OP)
         # values: F = 2**(-3 - exponent of s_step) keeps the scale pairs below 64 (1024 s fits fp16)
         f_new = ((251 - ((v_ss.to(gl.int32, bitcast=True) >> 23) & 0xFF)) << 23).to(gl.float32, bitcast=True)
+        acc = acc * (alpha * (f_new / f_cur))[None, :]
+        accm = accm * alpha[None, :]
         vsf = v_ss * f_new
         s2 = pack_f16x2(vsa.to(gl.float32) * vsf, vsb.to(gl.float32) * vsf)  # [8 tp, 8 g]: true scale x F
-        acc = mma_v2(v_nibbles(vw, s2, D), pt, acc * (alpha * (f_new / f_cur))[None, :])
+        acc = mma_v2(v_nibbles(vw, s2, D), pt, acc)
         mm = mma_v2(m_codes_operand(vma, vmb), pt, zero)  # sum_t p_t cm_t of each lane's group
-        accm = accm * alpha[None, :] + mm * v_ms
-        mb = mb * alpha + sp * v_mb
+        accm = accm + mm * v_ms
         return acc, accm, mb, m_new, l_i, f_new
 
     @gluon.jit(do_not_specialize=["num_splits"])
@@ -209,12 +214,19 @@ if HAVE_GLUON:
         lo = split * per_split
         hi = gl.minimum(n_chunks, lo + per_split)
         bt_row = block_tables_ptr + b.to(gl.int64) * stride_bt
+        # loop-invariant offsets inside a page's layer region (words; so in bytes)
+        NG: gl.constexpr = D // 32
+        rec = KS_OFF + kvh * (HEADER + 2 * D)  # this head's K record
+        ko = ((kvh * BS + tk) * (D // 8))[:, None] + wk[None, :]
+        vo = V_OFF // 4 + ((kvh * BS + tv) * (D // 8))[:, None] + wv[None, :]
+        co = (rec + HEADER) // 4 + (rc * 0)[:, None] + wc[None, :]
+        so = VS_OFF + kvh * BS * 2 * NG + (2 * tp * (2 * NG))[:, None] + (gm * D // 256)[None, :]
         kw, vw, cs, cm, vsa, vsb, vma, vmb, hk, hv = _load_chunk(
-            pool_ptr, bt_row, gl.minimum(lo, gl.maximum(n_chunks - 1, 0)), kvh, page_stride, layer_off, tk, wk, tv,
-            wv, rc, wc, tp, gm, V_OFF, KS_OFF, VS_OFF, BS, D)
+            pool_ptr, bt_row, gl.minimum(lo, gl.maximum(n_chunks - 1, 0)), page_stride, layer_off, ko, vo, co, so, rec,
+            BS, D)
         for c in range(lo, hi):
-            nxt = _load_chunk(pool_ptr, bt_row, gl.minimum(c + 1, hi - 1), kvh, page_stride, layer_off, tk, wk, tv,
-                              wv, rc, wc, tp, gm, V_OFF, KS_OFF, VS_OFF, BS, D)
+            nxt = _load_chunk(pool_ptr, bt_row, gl.minimum(c + 1, hi - 1), page_stride, layer_off, ko, vo, co, so, rec,
+                              BS, D)
             acc, accm, mb, m_i, l_i, f_cur = _chunk(acc, accm, mb, m_i, l_i, f_cur, ql, qh, sq, neg1024, kw, vw,
                                                      cs, cm, vsa, vsb, vma, vmb, hk, hv, qk_scale, D, MAGIC)
             kw, vw, cs, cm, vsa, vsb, vma, vmb, hk, hv = nxt
@@ -268,7 +280,7 @@ def decode_int4_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: t
     """out [B, H, D] for q [B, H, D] fp16 or bf16 (one new token per sequence; k/v [B, KVH, D] its new
     K/V) over int4 pages; `supports` must hold and the caller has checked the arguments. `splits`
     overrides the split count, `fused` whether the last split reduces (None: up to
-    FUSED_MAX_SPLITS), `maxnreg` the register cap (-1: MAXNREG, None: none)."""
+    FUSED_MAX_SPLITS), `maxnreg` the register cap (-1: MAXNREG up to head_dim 128, None: none)."""
     L = cache.layout
     B, H, D = q.shape
     G = H // L.kv_heads
@@ -278,7 +290,7 @@ def decode_int4_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: t
     out = torch.empty_like(q)
     res = cache.residual
     counters = COUNTERS.get(q.device, B * L.kv_heads) if fused is not False else None
-    maxnreg = MAXNREG if maxnreg == -1 else maxnreg
+    maxnreg = (MAXNREG if D <= 128 else None) if maxnreg == -1 else maxnreg  # D 256 spills under the cap
     args = dict(
         q_ptr=q, k_ptr=k, v_ptr=v, out_ptr=out, count_ptr=counters if counters is not None else bt,
         pool_ptr=cache.pool, res_ptr=res, prefix_lens_ptr=meta.prefix_lens, block_tables_ptr=bt,
