@@ -114,27 +114,34 @@ if HAVE_GLUON:
         return _step(acc, m_i, l_i, st, v_operand(vf, D), vs)
 
     @gluon.jit
-    def _load_chunk(pool_ptr, bt_row, chunk, kvh, page_stride, layer_off, tk, wk, tv, wv,
-                    V_OFF: gl.constexpr, KS_OFF: gl.constexpr, VS_OFF: gl.constexpr, FMT: gl.constexpr,
-                    BS: gl.constexpr, D: gl.constexpr):
+    def _load_chunk(pool_ptr, bt_row, chunk, kvh, page_stride, layer_off, ko, vo, KS_OFF: gl.constexpr,
+                    VS_OFF: gl.constexpr, FMT: gl.constexpr, BS: gl.constexpr, D: gl.constexpr):
         """Codes (uint32 words [16, D/4], K in k_layout, V in v_layout) and scales of one 16-token
-        chunk of a page: fp32 scalars (fp8, the page's) or fp32 [16, 1] per token (int8)."""
+        chunk of a page: fp32 scalars (fp8, the page's) or fp32 [16, 1] per token (int8). ko / vo:
+        the loop-invariant word offsets of the thread's K and V words inside a page's layer region
+        (one 64-bit page pointer a chunk: each load costs one address at most)."""
         CPP: gl.constexpr = BS // CHUNK_C
         page = gl.maximum(gl.load(bt_row + chunk // CPP), 0).to(gl.int64)  # -1 (never read) -> 0
-        base = page * page_stride + layer_off
-        row0 = kvh * BS + (chunk % CPP) * CHUNK_C
-        p32 = pool_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
-        kb = gl.load(p32 + base // 4 + ((row0 + tk) * (D // 4))[:, None] + wk[None, :])
-        vb = gl.load(p32 + (base + V_OFF) // 4 + ((row0 + tv) * (D // 4))[:, None] + wv[None, :])
-        if FMT == 5:  # per token, along the rows of S^T
-            ps = pool_ptr.to(gl.pointer_type(gl.float16), bitcast=True)
-            r = row0 + gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, MMA))
-            ks = gl.load(ps + (base + KS_OFF) // 2 + r).to(gl.float32)[:, None]
-            vs = gl.load(ps + (base + VS_OFF) // 2 + r).to(gl.float32)[:, None]
+        pb = pool_ptr + (page * page_stride + layer_off)
+        p32 = pb.to(gl.pointer_type(gl.uint32), bitcast=True)
+        r0 = kvh * BS
+        if CPP > 1:  # the chunk's rows inside the page
+            r = (chunk % CPP) * CHUNK_C
+            r0 = r0 + r
+            kb = gl.load(p32 + (ko + r * (D // 4)))
+            vb = gl.load(p32 + (vo + r * (D // 4)))
         else:
-            ps = pool_ptr.to(gl.pointer_type(gl.float32), bitcast=True)
-            ks = gl.load(ps + (base + KS_OFF) // 4 + kvh)
-            vs = gl.load(ps + (base + VS_OFF) // 4 + kvh)
+            kb = gl.load(p32 + ko)
+            vb = gl.load(p32 + vo)
+        if FMT == 5:  # per token, along the rows of S^T
+            ps = pb.to(gl.pointer_type(gl.float16), bitcast=True)
+            t = r0 + gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, MMA))
+            ks = gl.load(ps + (KS_OFF // 2 + t)).to(gl.float32)[:, None]
+            vs = gl.load(ps + (VS_OFF // 2 + t)).to(gl.float32)[:, None]
+        else:
+            ps = pb.to(gl.pointer_type(gl.float32), bitcast=True)
+            ks = gl.load(ps + (KS_OFF // 4 + kvh))
+            vs = gl.load(ps + (VS_OFF // 4 + kvh))
         return kb, vb, ks, vs
 
     @gluon.jit(do_not_specialize=["num_splits"])
@@ -211,11 +218,13 @@ if HAVE_GLUON:
         lo = split * per_split
         hi = gl.minimum(n_chunks, lo + per_split)
         bt_row = block_tables_ptr + b.to(gl.int64) * stride_bt
+        ko = ((kvh * BS + tkw) * (D // 4))[:, None] + wk[None, :]  # loop-invariant word offsets in a page
+        vo = V_OFF // 4 + ((kvh * BS + tvw) * (D // 4))[:, None] + wv[None, :]
         kb, vb, ks, vs = _load_chunk(pool_ptr, bt_row, gl.minimum(lo, gl.maximum(n_chunks - 1, 0)), kvh,
-                                     page_stride, layer_off, tkw, wk, tvw, wv, V_OFF, KS_OFF, VS_OFF, FMT, BS, D)
+                                     page_stride, layer_off, ko, vo, KS_OFF, VS_OFF, FMT, BS, D)
         for c in range(lo, hi):
             kb_n, vb_n, ks_n, vs_n = _load_chunk(pool_ptr, bt_row, gl.minimum(c + 1, hi - 1), kvh, page_stride,
-                                                 layer_off, tkw, wk, tvw, wv, V_OFF, KS_OFF, VS_OFF, FMT, BS, D)
+                                                 layer_off, ko, vo, KS_OFF, VS_OFF, FMT, BS, D)
             acc, m_i, l_i = _chunk(acc, m_i, l_i, q_op, kcorr, codes_fp16(kb, FMT, OFFSET),
                                    codes_fp16(vb, FMT, False), ks, vs * CMAX, qk_scale, every, False, OFFSET, D)
             kb, vb, ks, vs = kb_n, vb_n, ks_n, vs_n
