@@ -59,16 +59,21 @@ def correctness() -> bool:
     return ok
 
 
+def case_inputs(batch: int, ctx: int, reps: int):
+    """One benchmark case as kernels.py draws it: (SDPA ms, int4 cache, metadata, q [B, H, D], new k, v)."""
+    case = kb.decode_case(batch, ctx)
+    t_sdpa, _ = kb.time_sdpa(case, reps)
+    cache = kb.filled_cache("int4", case.k_rows, case.v_rows, case.n_pages, case.perm)
+    meta = kb.decode_meta(batch, ctx, case.perm, cache.layout)
+    kn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=case.gen)
+    vn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=case.gen)
+    return t_sdpa, cache, meta, case.qs[:, :, 0].contiguous(), kn, vn
+
+
 def timing(reps: int, variants: list[str]) -> list:
     rows = []
     for batch, ctx in kb.DECODE_CASES:
-        case = kb.decode_case(batch, ctx)
-        t_sdpa, _ = kb.time_sdpa(case, reps)
-        cache = kb.filled_cache("int4", case.k_rows, case.v_rows, case.n_pages, case.perm)
-        meta = kb.decode_meta(batch, ctx, case.perm, cache.layout)
-        q = case.qs[:, :, 0].contiguous()
-        kn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=case.gen)
-        vn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=case.gen)
+        t_sdpa, cache, meta, q, kn, vn = case_inputs(batch, ctx, reps)
         scale = kb.D ** -0.5
         ref = decode_int4(cache, 0, q, kn, vn, meta, scale)
         t_old = kb.time_ms(lambda: decode_int4(cache, 0, q, kn, vn, meta, scale), reps)
@@ -94,13 +99,7 @@ def split_sweep(reps: int, counts: list[int]) -> None:
     print("\n| case | " + " | ".join(f"{c} splits" for c in counts) + " | launcher |")
     print("|---" * (len(counts) + 2) + "|")
     for batch, ctx in kb.DECODE_CASES:
-        case = kb.decode_case(batch, ctx)
-        t_sdpa, _ = kb.time_sdpa(case, reps)
-        cache = kb.filled_cache("int4", case.k_rows, case.v_rows, case.n_pages, case.perm)
-        meta = kb.decode_meta(batch, ctx, case.perm, cache.layout)
-        q = case.qs[:, :, 0].contiguous()
-        kn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=case.gen)
-        vn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=case.gen)
+        t_sdpa, cache, meta, q, kn, vn = case_inputs(batch, ctx, reps)
         cells = []
         for c in counts + [None]:
             t = kb.time_ms(lambda: decode_int4_direct(cache, 0, q, kn, vn, meta, kb.D ** -0.5, splits=c), reps)
