@@ -31,9 +31,7 @@ import os
 import torch
 
 from kvmesh.kernels.formats import FMT_CODES, FMT_E4M3, FMT_E5M2, FMT_INT8
-from kvmesh.kernels.paged_attention import LOG2E
-from kvmesh.kernels.split_partials import reduce_width
-from kvmesh.kernels.splits import COUNTERS, launch_split, num_sms, num_splits, resident_of
+from kvmesh.kernels.split_partials import launch_direct
 
 from kvmesh.kernels.mma_fragments import CHUNK, HAVE_GLUON
 
@@ -252,7 +250,6 @@ if HAVE_GLUON:
 
 
 MAXNREG = 128  # 16 one-warp programs per SM (D <= 128); uncapped, int8's prefetching variant took 166
-FUSED_MAX_SPLITS = 4  # one warp reducing 16 splits' partials cost more than the second launch (H200)
 
 
 def decode_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float, *,
@@ -262,31 +259,7 @@ def decode_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.
     arguments. `splits` overrides the split count (from shapes and the compiled kernel's residency),
     `fused` whether the last split reduces (None: up to FUSED_MAX_SPLITS splits), `maxnreg` the
     register cap."""
-    L = cache.layout
-    B, H, D = q.shape
-    G = H // L.kv_heads
-    fmt = FMT_CODES[L.kv_dtype]
-    bt = meta.block_tables
-    if bt.shape[1] == 0:  # the kernel reads entry 0 of a row even when a sequence has no pages
-        bt = torch.zeros(B, 1, dtype=torch.int32, device=q.device)
-    out = torch.empty_like(q)
-    res = cache.residual
-    counters = COUNTERS.get(q.device, B * L.kv_heads) if fused is not False else None
-    args = dict(
-        q_ptr=q, k_ptr=k, v_ptr=v, out_ptr=out, count_ptr=counters if counters is not None else bt,
-        pool_ptr=cache.pool, res_ptr=res, prefix_lens_ptr=meta.prefix_lens, block_tables_ptr=bt,
-        residual_slots_ptr=meta.residual_slots,
-        stride_qb=q.stride(0), stride_qh=q.stride(1), stride_kb=k.stride(0), stride_vb=v.stride(0),
-        stride_ob=out.stride(0), stride_oh=out.stride(1), stride_bt=bt.stride(0),
-        page_stride=L.block_bytes, layer_off=layer * L.layer_bytes,
-        slot_stride=res.stride(0), res_layer_off=layer * res.stride(1), qk_scale=scale * LOG2E, g_rows=G,
-        V_OFF=L.v_data_offset, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset, FMT=fmt, KVH=L.kv_heads, G=G,
-        BS=L.block_size, D=D, CMAX=CODE_MAX[fmt], FUSED=counters is not None, BF16=q.dtype == torch.bfloat16,
-        num_warps=1, maxnreg=maxnreg or (MAXNREG if D <= 128 else None))
-    if splits is None:
-        resident = resident_of("direct", decode_direct_kernel, args, q.device)
-        splits = num_splits(B, L.kv_heads, meta.max_prefix_len + 1, num_sms(q.device), resident, CHUNK)
-    if fused is None and args["FUSED"]:
-        args["FUSED"] = splits <= FUSED_MAX_SPLITS
-    args["RMAX"] = reduce_width(splits, FUSED_MAX_SPLITS)
-    return launch_split(decode_direct_kernel, out, L.kv_heads, splits, args)
+    fmt = FMT_CODES[cache.layout.kv_dtype]
+    cap = maxnreg or (MAXNREG if q.shape[2] <= 128 else None)
+    return launch_direct(decode_direct_kernel, "direct", cache, layer, q, k, v, meta, scale, splits=splits,
+                         fused=fused, maxnreg=cap, FMT=fmt, CMAX=CODE_MAX[fmt])

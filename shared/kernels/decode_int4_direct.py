@@ -27,9 +27,7 @@ import torch
 from kvmesh.kernels.decode_direct import AVAILABILITY  # one switch for the Gluon kernels
 from kvmesh.kernels.int4_codec import HEADER  # bytes of the K and V headers of each head's K record
 from kvmesh.kernels.mma_fragments import CHUNK, HAVE_GLUON
-from kvmesh.kernels.paged_attention import LOG2E
-from kvmesh.kernels.split_partials import reduce_width
-from kvmesh.kernels.splits import COUNTERS, launch_split, num_sms, num_splits, resident_of
+from kvmesh.kernels.split_partials import launch_direct
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -43,7 +41,6 @@ if HAVE_GLUON:
     from kvmesh.kernels.mma_fragments import A_OP, B_OP, CHUNK_C, MMA, halves, tail_rows, to_fp16, v_layout, v_operand
 
 MAXNREG = 168  # 12 one-warp programs per SM
-FUSED_MAX_SPLITS = 4
 
 
 def supports(q: torch.Tensor, residual_dtype: torch.dtype, group: int, head_dim: int, block_size: int) -> bool:
@@ -283,31 +280,7 @@ def decode_int4_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: t
     K/V) over int4 pages; `supports` must hold and the caller has checked the arguments. `splits`
     overrides the split count, `fused` whether the last split reduces (None: up to
     FUSED_MAX_SPLITS), `maxnreg` the register cap (-1: MAXNREG up to head_dim 128, None: none)."""
-    L = cache.layout
-    B, H, D = q.shape
-    G = H // L.kv_heads
-    bt = meta.block_tables
-    if bt.shape[1] == 0:  # the kernel reads entry 0 of a row even when a sequence has no pages
-        bt = torch.zeros(B, 1, dtype=torch.int32, device=q.device)
-    out = torch.empty_like(q)
-    res = cache.residual
-    counters = COUNTERS.get(q.device, B * L.kv_heads) if fused is not False else None
-    maxnreg = (MAXNREG if D <= 128 else None) if maxnreg == -1 else maxnreg  # D 256 spills under the cap
-    args = dict(
-        q_ptr=q, k_ptr=k, v_ptr=v, out_ptr=out, count_ptr=counters if counters is not None else bt,
-        pool_ptr=cache.pool, res_ptr=res, prefix_lens_ptr=meta.prefix_lens, block_tables_ptr=bt,
-        residual_slots_ptr=meta.residual_slots,
-        stride_qb=q.stride(0), stride_qh=q.stride(1), stride_kb=k.stride(0), stride_vb=v.stride(0),
-        stride_ob=out.stride(0), stride_oh=out.stride(1), stride_bt=bt.stride(0),
-        page_stride=L.block_bytes, layer_off=layer * L.layer_bytes,
-        slot_stride=res.stride(0), res_layer_off=layer * res.stride(1), qk_scale=scale * LOG2E, g_rows=G,
-        V_OFF=L.v_data_offset, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset, KVH=L.kv_heads, G=G,
-        BS=L.block_size, D=D, FUSED=counters is not None, BF16=q.dtype == torch.bfloat16, MAGIC=magic, num_warps=1,
-        **({} if maxnreg is None else {"maxnreg": maxnreg}))
-    if splits is None:
-        resident = resident_of("int4-direct", decode_int4_direct_kernel, args, q.device)
-        splits = num_splits(B, L.kv_heads, meta.max_prefix_len + 1, num_sms(q.device), resident, CHUNK)
-    if fused is None and args["FUSED"]:
-        args["FUSED"] = splits <= FUSED_MAX_SPLITS
-    args["RMAX"] = reduce_width(splits, FUSED_MAX_SPLITS)
-    return launch_split(decode_int4_direct_kernel, out, L.kv_heads, splits, args)
+    if maxnreg == -1:
+        maxnreg = MAXNREG if q.shape[2] <= 128 else None  # head_dim 256 spills under the cap
+    return launch_direct(decode_int4_direct_kernel, "int4-direct", cache, layer, q, k, v, meta, scale,
+                         splits=splits, fused=fused, maxnreg=maxnreg, MAGIC=magic)

@@ -1,8 +1,15 @@
-"""The end of a split decode program in Gluon: write this split's normalized partial and its
-log2-sum-exp, and, with FUSED, let the last split of each (sequence, KV head) combine them (a
-self-resetting counter per pair, `splits.COUNTERS`) instead of `reduce_splits_kernel`'s second
-launch. Shared by the register-direct decode kernels; GPU only."""
-from kvmesh.kernels.mma_fragments import HAVE_GLUON
+"""What the register-direct decode kernels share around their loop: the end of a split program in
+Gluon (write this split's normalized partial and its log2-sum-exp, and, with FUSED, let the last
+split of each (sequence, KV head) combine them, a self-resetting counter per pair
+`splits.COUNTERS`, instead of `reduce_splits_kernel`'s second launch), and the launcher that fills
+their common arguments and chooses splits. GPU only."""
+from __future__ import annotations
+
+import torch
+
+from kvmesh.kernels.mma_fragments import CHUNK, HAVE_GLUON
+from kvmesh.kernels.paged_attention import LOG2E
+from kvmesh.kernels.splits import COUNTERS, launch_split, num_sms, num_splits, resident_of
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -69,6 +76,40 @@ if HAVE_GLUON:
             gl.store(op, o.to(out_ptr.dtype.element_ty), mask=(h < G)[None, :])
 
 
-def reduce_width(splits: int, fused_max: int) -> int:
-    """RMAX for a launch: a power of two >= the split count (one compile for every count up to it)."""
-    return max(fused_max, 1 << (splits - 1).bit_length())
+FUSED_MAX_SPLITS = 4  # one warp reducing 16 splits' partials cost more than the second launch (H200)
+
+
+def launch_direct(kernel, tag: str, cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta,
+                  scale: float, *, splits: int | None, fused: bool | None, maxnreg: int | None,
+                  **consts) -> torch.Tensor:
+    """out [B, H, D] from a register-direct decode kernel (one warp a program) over the cache's pages:
+    its common arguments, `consts` the kernel's own; `splits` None: from shapes and the compiled
+    kernel's residency (read once per variant, `tag`); `fused` None: the last split reduces up to
+    FUSED_MAX_SPLITS splits; `maxnreg` None: no register cap."""
+    L = cache.layout
+    B, H, D = q.shape
+    G = H // L.kv_heads
+    bt = meta.block_tables
+    if bt.shape[1] == 0:  # the kernel reads entry 0 of a row even when a sequence has no pages
+        bt = torch.zeros(B, 1, dtype=torch.int32, device=q.device)
+    out = torch.empty_like(q)
+    res = cache.residual
+    counters = COUNTERS.get(q.device, B * L.kv_heads) if fused is not False else None
+    args = dict(
+        q_ptr=q, k_ptr=k, v_ptr=v, out_ptr=out, count_ptr=counters if counters is not None else bt,
+        pool_ptr=cache.pool, res_ptr=res, prefix_lens_ptr=meta.prefix_lens, block_tables_ptr=bt,
+        residual_slots_ptr=meta.residual_slots,
+        stride_qb=q.stride(0), stride_qh=q.stride(1), stride_kb=k.stride(0), stride_vb=v.stride(0),
+        stride_ob=out.stride(0), stride_oh=out.stride(1), stride_bt=bt.stride(0),
+        page_stride=L.block_bytes, layer_off=layer * L.layer_bytes,
+        slot_stride=res.stride(0), res_layer_off=layer * res.stride(1), qk_scale=scale * LOG2E, g_rows=G,
+        V_OFF=L.v_data_offset, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset, KVH=L.kv_heads, G=G,
+        BS=L.block_size, D=D, FUSED=counters is not None, BF16=q.dtype == torch.bfloat16, num_warps=1,
+        **consts, **({} if maxnreg is None else {"maxnreg": maxnreg}))
+    if splits is None:
+        resident = resident_of(tag, kernel, args, q.device)
+        splits = num_splits(B, L.kv_heads, meta.max_prefix_len + 1, num_sms(q.device), resident, CHUNK)
+    if fused is None and args["FUSED"]:
+        args["FUSED"] = splits <= FUSED_MAX_SPLITS
+    args["RMAX"] = max(FUSED_MAX_SPLITS, 1 << (splits - 1).bit_length())  # a power of two >= splits
+    return launch_split(kernel, out, L.kv_heads, splits, args)
