@@ -46,6 +46,7 @@ from kvmesh.kernels.cache_write import write_blocks  # noqa: E402
 from kvmesh.kernels.decode_attention import decode_attention  # noqa: E402
 from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata  # noqa: E402
 from kvmesh.kernels.prefill_attention import prefill_attention  # noqa: E402
+from kvmesh.kernels.prefix_stage import stage_prefix  # noqa: E402
 from kvmesh.kv.layout import BlockLayout  # noqa: E402
 from kvmesh.kv.pool import KVCache  # noqa: E402
 
@@ -269,9 +270,15 @@ def bench_prefill(reps: int, rows: list, dtypes: list[str]) -> None:
             meta = build_attention_metadata(seqs, cache.layout, 1, "cuda")
             dt = model_dtype_for(kv)
             qd, kd, vd = q.to(dt), k.to(dt), v.to(dt)
-            t = time_ms(lambda: prefill_attention(cache, 0, qd, kd, vd, meta, D ** -0.5), reps)
-            rows.append(("prefill 4x2048 +2048", f"paged {kv}", t, flops / t / 1e9, math.nan, t_sdpa / t, math.nan))
-            log(f"  prefill {kv}: {t:.3f} ms ({flops / t / 1e9:.0f} TFLOP/s, {t_sdpa / t:.2f}x sdpa)")
+            # staged (the default for these 2,048-token chunks, `prefix_stage.py`) and read in place
+            for staging in ((True, False) if meta.stage is not None else (False,)):
+                t = time_ms(lambda: prefill_attention(cache, 0, qd, kd, vd, meta, D ** -0.5, staging=staging), reps)
+                name = f"paged {kv}" + (" (pages in place)" if meta.stage is not None and not staging else "")
+                rows.append(("prefill 4x2048 +2048", name, t, flops / t / 1e9, math.nan, t_sdpa / t, math.nan))
+                log(f"  prefill {name}: {t:.3f} ms ({flops / t / 1e9:.0f} TFLOP/s, {t_sdpa / t:.2f}x sdpa)")
+            if meta.stage is not None:
+                t = time_ms(lambda: stage_prefix(cache, 0, meta.stage), reps)
+                log(f"  of which staging the {meta.stage.src_pages.numel()} prefix pages: {t:.3f} ms")
             del cache
         except Exception:
             log(f"  prefill {kv} FAILED:\n{traceback.format_exc()}")

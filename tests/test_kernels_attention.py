@@ -16,7 +16,7 @@ import torch
 from kvmesh.kernels.decode_attention import decode_attention, num_splits, resident_programs
 from kvmesh.kernels.decode_direct import decode_direct
 from kvmesh.kernels.decode_direct import supports as decode_direct_supports
-from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata
+from kvmesh.kernels.metadata import SeqSlice, StagePolicy, build_attention_metadata
 from kvmesh.kernels.prefill_attention import prefill_attention
 from kvmesh.kernels.torch_ref import TorchBackend
 from kvmesh.kernels.triton_backend import TritonBackend
@@ -33,7 +33,8 @@ MODEL_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 def make_case(kv: str, gqa: int, head_dim: int, bs: int, prefix_lens: list[int], num_new: list[int],
               *, kv_heads: int = 2, num_layers: int = 2, layer: int = 1, device: str = "cpu",
-              first_page: int = 1, spare_pages: int = 3, seed: int = 0, model_dtype: torch.dtype | None = None):
+              first_page: int = 1, spare_pages: int = 3, seed: int = 0, model_dtype: torch.dtype | None = None,
+              stage: StagePolicy = StagePolicy()):
     """A cache with random quantized pages in random order and random residual tails, the metadata
     of one step, and q/k/v for its new tokens. Pages come from [first_page, first_page + needed)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -53,7 +54,7 @@ def make_case(kv: str, gqa: int, head_dim: int, bs: int, prefix_lens: list[int],
         nb = -(-(p + n) // bs)
         seqs.append(SeqSlice(p, n, ids[pos:pos + nb].tolist(), int(slots[i])))
         pos += nb
-    meta = build_attention_metadata(seqs, layout, cache.num_residual_slots, device)
+    meta = build_attention_metadata(seqs, layout, cache.num_residual_slots, device, stage)
     T, H = sum(num_new), kv_heads * gqa
     q = torch.randn(T, H, head_dim, generator=g).to(device, model_dtype)
     k = torch.randn(T, kv_heads, head_dim, generator=g).to(device, model_dtype)

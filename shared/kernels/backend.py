@@ -42,6 +42,21 @@ class WritePlan:
 
 
 @dataclass
+class PrefixStage:
+    """Full prefix pages that a GPU backend dequantizes once per layer into an fp16 workspace before
+    the prefill kernel reads them. Read in place, a page is dequantized again by every query tile
+    of its sequence, so this pays for sequences with long chunks (`metadata.StagePolicy`)."""
+
+    src_pages: torch.Tensor
+    """int32 [P]: the pool page behind each workspace page (a page that several sequences share is staged once)."""
+    tables: torch.Tensor
+    """int32 [B, max_blocks]: a staged sequence's full prefix pages as workspace pages; -1 elsewhere
+    (whole rows of -1 for the sequences read in place)."""
+    every: bool
+    """Every sequence with a full prefix page is staged: the kernel needs no in-place path."""
+
+
+@dataclass
 class AttentionMetadata:
     """Everything a backend needs about one step's batch; built once per step by the runner."""
 
@@ -58,6 +73,8 @@ class AttentionMetadata:
     max_prefix_len: int
     """Longest cached prefix in the batch."""
     write: WritePlan
+    stage: PrefixStage | None = None
+    """The prefix pages to stage this step, or None (backends without a workspace ignore it)."""
 
     @property
     def num_seqs(self) -> int:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmesh.kernels.backend import AttentionMetadata, WritePlan
+from kvmesh.kernels.backend import AttentionMetadata, PrefixStage, WritePlan
 from kvmesh.kv.layout import BlockLayout
 
 
@@ -27,6 +27,20 @@ class SeqSlice:
     """Page ids of the sequence's blocks in order; must cover every full block of prefix + new."""
     residual_slot: int = 0
     """The sequence's residual slot (its partial tail block, full precision)."""
+
+
+@dataclass(frozen=True)
+class StagePolicy:
+    """Which sequences' full prefix pages a step stages into the fp16 workspace (`PrefixStage`)."""
+
+    min_new_tokens: int = 128
+    """Chunks at least this long: they span several query tiles, each of which would dequantize
+    the whole prefix again (a decode row or a short extend reads its pages once anyway)."""
+    max_bytes: int = 256 << 20
+    """Workspace bound (fp16 K and V of one layer); sequences past it are read in place."""
+
+
+NO_STAGING = StagePolicy(min_new_tokens=1 << 62)
 
 
 def _check(i: int, s: SeqSlice, bs: int, num_residual_slots: int) -> None:
@@ -88,8 +102,38 @@ def pad_write_plan(plan: WritePlan, num_blocks: int) -> WritePlan:
         residual_src=plan.residual_src, residual_dst=plan.residual_dst)
 
 
+def build_prefix_stage(seqs: list[SeqSlice], layout: BlockLayout, width: int,
+                       policy: StagePolicy) -> PrefixStage | None:
+    """The pages (on the CPU) of the sequences `policy` stages, or None.
+    fp16 and fp32 pages are read as they are (nothing to dequantize)."""
+    if layout.kv_dtype in ("fp16", "fp32"):
+        return None
+    page_bytes = 2 * layout.kv_heads * layout.block_size * layout.head_dim * 2
+    budget = policy.max_bytes // page_bytes
+    src: dict[int, int] = {}  # pool page -> workspace page
+    rows: dict[int, list[int]] = {}
+    for i, s in enumerate(seqs):
+        full = s.block_table[:s.prefix_len // layout.block_size]
+        if s.num_new < policy.min_new_tokens or not full:
+            continue
+        fresh = [p for p in dict.fromkeys(full) if p not in src]
+        if len(src) + len(fresh) > budget:
+            continue  # this one stays in place
+        for p in fresh:
+            src[p] = len(src)
+        rows[i] = [src[p] for p in full]
+    if not rows:
+        return None
+    tables = torch.full((len(seqs), width), -1, dtype=torch.int32)
+    for i, r in rows.items():
+        tables[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
+    every = all(i in rows for i, s in enumerate(seqs) if s.prefix_len >= layout.block_size)
+    return PrefixStage(torch.tensor(list(src), dtype=torch.int32), tables, every)
+
+
 def build_attention_metadata(seqs: list[SeqSlice], layout: BlockLayout, num_residual_slots: int,
-                             device: torch.device | str = "cpu") -> AttentionMetadata:
+                             device: torch.device | str = "cpu",
+                             stage: StagePolicy = StagePolicy()) -> AttentionMetadata:
     """One step's metadata. New tokens of the batch are laid out sequence after sequence, in order."""
     if not seqs:
         raise ValueError("seqs must not be empty")
@@ -105,6 +149,7 @@ def build_attention_metadata(seqs: list[SeqSlice], layout: BlockLayout, num_resi
         if s.block_table:
             table[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
     plan = build_write_plan(seqs, bs, num_residual_slots, query_start[:-1])
+    staged = build_prefix_stage(seqs, layout, width, stage)
     dev = torch.device(device)
     return AttentionMetadata(
         query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
@@ -115,4 +160,6 @@ def build_attention_metadata(seqs: list[SeqSlice], layout: BlockLayout, num_resi
         max_prefix_len=max(s.prefix_len for s in seqs),
         write=WritePlan(plan.block_rows.to(dev), plan.block_ids.to(dev),
                         plan.residual_src.to(dev), plan.residual_dst.to(dev)),
+        stage=None if staged is None else PrefixStage(staged.src_pages.to(dev), staged.tables.to(dev),
+                                                      staged.every),
     )

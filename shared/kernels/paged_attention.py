@@ -5,14 +5,15 @@ split reduction and the argument checks.
 One program = one tile of rows x one KV head. A row is a (new token, query head) pair; the rows of
 a tile are TOK_PER_TILE tokens x the G query heads that share the KV head, so each page is read once
 per tile for the whole group. Keys of a sequence, in order: its full pages (quantized, read through
-the block table and dequantized in registers), its residual tail (< bs tokens, full precision), its
-new tokens (dense, causal).
+the block table and dequantized in registers; for long chunks, read from the fp16 workspace that
+`prefix_stage.py` dequantized them into once per step), its residual tail (< bs tokens, full
+precision), its new tokens (dense, causal).
 
 Dequantization without float conversion instructions (integer ops + bitcast to fp16):
     fp8 e5m2: fp16 bits = byte << 8                               (exact)
     fp8 e4m3: fp16 bits = sign << 8 | (byte & 0x7f) << 7 = x * 2**-8  (exact; 2**8 folded into scale)
     int8:     fp16(0x6400 | (byte ^ 0x80)) - 1152 = x               (exact)
-    int4:     fp16(0x6400 | nibble) - 1024 = q; x = q * s + m      (scales per element, in-tile)
+    int4:     fp32(0x4B000000 | nibble) - 2**23 = q; x = q * s + m (scales per element, in-tile)
 Per-token scales (fp8 page scale, int8 token scale) multiply the score columns (K) and the
 probabilities (V) instead of the tiles: one multiply per token, not per element.
 """
@@ -83,7 +84,10 @@ def _load_page_tile(pool_ptr, base, tok, n_mask, head, DATA_OFF: tl.constexpr,
         s = tl.load(ps + (base + SCALE_OFF) // 2 + row, mask=n_mask, other=0.0).to(tl.float32)
         return x.to(DOT), s
     else:
-        return load_int4_tile(pool_ptr, base, row, n_mask, head, DATA_OFF, SCALE_OFF, IS_KEY, D, DOT), one
+        # q * s + m in fp32, rounded once: in fp16 (packed half2) the rounding of s and m cost up to
+        # 2.3e-3 relative error over 2k-token prefixes for bf16 models (H200, test_kernels_prefix_stage)
+        x = load_int4_tile(pool_ptr, base, row, n_mask, head, DATA_OFF, SCALE_OFF, IS_KEY, D, tl.float32)
+        return x.to(DOT), one
 
 
 @triton.jit
@@ -131,6 +135,24 @@ def _softmax_step(acc, m_i, l_i, q, kt, ks, vt, vs, valid, qk_scale, HAS_SCALE: 
 
 
 @triton.jit
+def _full_pages(acc, m_i, l_i, q, pool_ptr, table_row, n_end, page_stride, layer_off, kvh,
+                V_OFF: tl.constexpr, KS_OFF: tl.constexpr, VS_OFF: tl.constexpr, FMT: tl.constexpr,
+                HAS_SCALE: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                DOT: tl.constexpr, NATIVE: tl.constexpr, qk_scale):
+    """The online softmax over keys [0, n_end) of one sequence's full pages (page ids in table_row)."""
+    for n0 in range(0, n_end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nm = n < n_end
+        page = tl.load(table_row + n // BS, mask=nm, other=0).to(tl.int64)
+        base = page * page_stride + layer_off  # [N] offset of the page's layer (in units)
+        tok = n % BS
+        kt, ks = _load_page_tile(pool_ptr, base, tok, nm, kvh, 0, KS_OFF, True, FMT, BS, D, DOT, NATIVE)
+        vt, vs = _load_page_tile(pool_ptr, base, tok, nm, kvh, V_OFF, VS_OFF, False, FMT, BS, D, DOT, NATIVE)
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kt, ks, vt, vs, nm[None, :], qk_scale, HAS_SCALE, DOT)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def paged_attention_kernel(
     q_ptr,  # [T, H, D] new queries
     k_ptr,  # [T, KVH, D] new keys (dense, full precision)
@@ -142,17 +164,23 @@ def paged_attention_kernel(
     prefix_lens_ptr,  # int32 [B]
     block_tables_ptr,  # int32 [B, max_pages]
     residual_slots_ptr,  # int32 [B]
+    stage_ptr,  # fp16 [P, 2, KVH, BS, D] workspace pages (as uint8), when STAGED
+    stage_tables_ptr,  # int32 [B, max_pages] workspace page of each full page; rows of -1: not staged
+    # (STAGED: 0 = no workspace, 1 = some sequences staged, 2 = all that have full pages)
     stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh,
     stride_bt,  # elements between block-table rows
     page_stride,  # units (see `_unit`) between pages
     layer_off,  # layer * layer_bytes, in units
     slot_stride,  # residual elements between slots
     res_layer_off,  # layer * residual elements per layer inside a slot
+    stride_st,  # elements between stage-table rows
+    stage_page,  # fp16 elements of one workspace page: 2 * KVH * BS * D
     qk_scale,  # softmax scale * log2(e)
     V_OFF: tl.constexpr, KS_OFF: tl.constexpr, VS_OFF: tl.constexpr,
     FMT: tl.constexpr, HAS_SCALE: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
     BS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, TOK_PER_TILE: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr, STAGED: tl.constexpr,
+    STAGE_V_OFF: tl.constexpr,  # KVH * BS * D
 ):
     tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -175,20 +203,21 @@ def paged_attention_kernel(
         m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
 
-        # 1. full pages (quantized)
+        # 1. full pages: dequantized once per step into the fp16 workspace (`prefix_stage.py`) for
+        # the sequences staged there, else read and dequantized here, once per tile
         n_end = prefix // BS * BS
+        st_row = stage_tables_ptr + b.to(tl.int64) * stride_st
         bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-        for n0 in range(0, n_end, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            nm = n < n_end
-            page = tl.load(bt_row + n // BS, mask=nm, other=0).to(tl.int64)
-            base = page * page_stride + layer_off  # [N] offset of the page's layer (in units)
-            tok = n % BS
-            kt, ks = _load_page_tile(pool_ptr, base, tok, nm, kvh, 0, KS_OFF, True, FMT, BS, D, DOT, NATIVE)
-            vt, vs = _load_page_tile(pool_ptr, base, tok, nm, kvh, V_OFF, VS_OFF, False, FMT, BS, D, DOT,
-                                     NATIVE)
-            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kt, ks, vt, vs, nm[None, :], qk_scale,
-                                          HAS_SCALE, DOT)
+        in_place = STAGED == 0
+        if STAGED == 1:  # some sequences staged: this one?
+            in_place = tl.load(st_row) < 0
+        if in_place:
+            acc, m_i, l_i = _full_pages(acc, m_i, l_i, q, pool_ptr, bt_row, n_end, page_stride, layer_off,
+                                        kvh, V_OFF, KS_OFF, VS_OFF, FMT, HAS_SCALE, BS, D, BLOCK_N, DOT,
+                                        NATIVE, qk_scale)
+        else:  # fp16 workspace pages (format 1 = FMT_FP16), one layer each
+            acc, m_i, l_i = _full_pages(acc, m_i, l_i, q, stage_ptr, st_row, n_end, stage_page, 0, kvh,
+                                        STAGE_V_OFF, 0, 0, 1, False, BS, D, BLOCK_N, DOT, NATIVE, qk_scale)
 
         # 2. residual tail: prefix % BS tokens in full precision
         n_tail = prefix % BS
@@ -242,12 +271,13 @@ def reduce_splits_kernel(
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, _cast_out(o, out_ptr.dtype.element_ty))
 
 
-def _dot_dtype(fmt: int, q: torch.Tensor) -> tl.dtype:
+def _dot_dtype(fmt: int, q: torch.Tensor, staged: bool = False) -> tl.dtype:
     """The tl.dot input dtype. fp32 under the interpreter (its bf16 dot is broken), else the page
-    dtype for full-precision caches and fp16 for the dequantized ones (exact for fp8/int8/int4 codes)."""
+    dtype for full-precision caches and fp16 for the dequantized ones (exact for fp8/int8/int4 codes)
+    and for bf16 pages staged as fp16 (`prefix_stage.py`)."""
     if os.environ.get("TRITON_INTERPRET") == "1" or fmt == FMT_FP32:
         return tl.float32
-    return tl.bfloat16 if fmt == FMT_BF16 else tl.float16
+    return tl.bfloat16 if fmt == FMT_BF16 and not staged else tl.float16
 
 
 def _unit(fmt: int) -> int:
@@ -283,8 +313,12 @@ def _check(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torc
 def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor,
                            v: torch.Tensor, meta: AttentionMetadata, scale: float, *,
                            block_m: int, block_n: int, num_warps: int, num_stages: int,
-                           max_query_len: int, native_cvt: bool = False) -> torch.Tensor:
-    """Runs the prefill/extend kernel over every sequence; returns out [T, H, D]."""
+                           max_query_len: int, native_cvt: bool = False,
+                           workspace: torch.Tensor | None = None,
+                           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Runs the prefill/extend kernel over every sequence; returns out [T, H, D] in `out_dtype`
+    (default q's). `workspace`: the staged pages of `meta.stage` (fp16 [P, 2, KVH, BS, D],
+    `prefix_stage.stage_prefix`), or None."""
     _check(cache, layer, q, k, v, meta)
     L = cache.layout
     T, H, D = q.shape
@@ -295,20 +329,26 @@ def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch
     block_m = max(block_m, 16, triton.next_power_of_2(G))  # rows = tokens x G heads; tl.dot needs 16
     tok_per_tile = block_m // G
     n_tiles = triton.cdiv(max_query_len, tok_per_tile)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
     res = cache.residual
+    staged = workspace is not None
+    tables = meta.stage.tables if staged else meta.block_tables
+    page16 = 2 * L.kv_heads * L.block_size * D
     paged_attention_kernel[(n_tiles, B, L.kv_heads)](
         q_ptr=q, k_ptr=k, v_ptr=v, out_ptr=out, pool_ptr=cache.pool, res_ptr=res,
         query_start_ptr=meta.query_start_loc, prefix_lens_ptr=meta.prefix_lens,
         block_tables_ptr=meta.block_tables, residual_slots_ptr=meta.residual_slots,
+        stage_ptr=workspace.view(torch.uint8) if staged else cache.pool, stage_tables_ptr=tables,
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_vt=v.stride(0),
         stride_ot=out.stride(0), stride_oh=out.stride(1), stride_bt=meta.block_tables.stride(0),
         page_stride=L.block_bytes // unit, layer_off=layer * L.layer_bytes // unit,
         slot_stride=res.stride(0), res_layer_off=layer * res.stride(1),
-        qk_scale=scale * LOG2E,
+        stride_st=tables.stride(0), stage_page=page16, qk_scale=scale * LOG2E,
         V_OFF=L.v_data_offset // unit, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset,
         FMT=fmt, HAS_SCALE=fmt in (FMT_E4M3, FMT_E5M2, FMT_INT8), KVH=L.kv_heads, G=G,
         BS=L.block_size, D=D, BLOCK_M=block_m, TOK_PER_TILE=tok_per_tile, BLOCK_N=block_n,
-        DOT=_dot_dtype(fmt, q), NATIVE=native_cvt, num_warps=num_warps, num_stages=num_stages,
+        DOT=_dot_dtype(fmt, q, staged), NATIVE=native_cvt, STAGED=(2 if meta.stage.every else 1) if staged else 0,
+        STAGE_V_OFF=page16 // 2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
