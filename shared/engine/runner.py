@@ -12,7 +12,7 @@ from kvmesh.config import EngineConfig
 from kvmesh.kernels.backend import make_backend
 from kvmesh.kernels.cpu_native import load as load_native
 from kvmesh.kernels.torch_ref import TorchBackend
-from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata
+from kvmesh.kernels.metadata import NO_STAGING, SeqSlice, StagePolicy, build_attention_metadata
 from kvmesh.kv.layout import BlockLayout, canonical_kv_dtype
 from kvmesh.kv.pool import KVCache
 from kvmesh.model.key_centers import centers_digest, load_or_compute
@@ -66,6 +66,9 @@ class ModelRunner:
             centers = load_or_compute(self.model, cfg.model, model_cache_dir(cfg.model))
             self.model.set_key_centers(centers)
             self.key_centers_digest = centers_digest(centers)
+        # the Triton prefill dequantizes long chunks' prefixes once per layer into a workspace
+        triton = self.device.type == "cuda" and cfg.attention_backend != "torch"
+        self.stage_policy = StagePolicy() if triton and kv_dtype not in ("fp16", "fp32") else NO_STAGING
         num_blocks = self._num_blocks()
         self.cache = KVCache(self.layout, num_blocks, num_residual_slots, self.dtype, self.device)
         self.backend = make_backend(cfg.attention_backend, self.device)
@@ -89,6 +92,7 @@ class ModelRunner:
             # Keep room for one step's activations and logits (rough upper bound).
             act = self.cfg.scheduler.max_num_batched_tokens * (
                 self.model_config.vocab_size * 4 + 16 * self.model_config.intermediate_size * 4)
+            act += self.stage_policy.max_bytes  # the prefill kernel's prefix workspace
             budget = int(total * c.gpu_memory_utilization) - used - act
             if budget <= 0:
                 raise ValueError(f"--gpu-memory-utilization {c.gpu_memory_utilization}: no memory left "
@@ -115,7 +119,8 @@ class ModelRunner:
             pos.extend(range(s.prefix_len, s.prefix_len + s.num_new))
         input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)  # [T]
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)  # [T]
-        meta = build_attention_metadata(slices, self.layout, self.cache.num_residual_slots, self.device)
+        meta = build_attention_metadata(slices, self.layout, self.cache.num_residual_slots, self.device,
+                                        self.stage_policy)
         hidden = self.model(input_ids, positions, meta, self.cache, self.backend)  # [T, hidden]
         sample_logits = self.model.compute_logits(hidden[rows.sample_rows], upcast=False) if rows.sample_rows else None
         prompt_logits = [self.model.compute_logits(hidden[r0:r0 + n]) for r0, n, _ in rows.prompt_rows]

@@ -40,7 +40,7 @@ class StagePolicy:
     """Workspace bound (fp16 K and V of one layer); sequences past it are read in place."""
 
 
-NO_STAGING = StagePolicy(min_new_tokens=1 << 62)
+NO_STAGING = StagePolicy(min_new_tokens=1 << 62, max_bytes=0)
 
 
 def _check(i: int, s: SeqSlice, bs: int, num_residual_slots: int) -> None:
