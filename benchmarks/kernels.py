@@ -279,10 +279,30 @@ def bench_prefill(reps: int, rows: list, dtypes: list[str]) -> None:
             if meta.stage is not None:
                 t = time_ms(lambda: stage_prefix(cache, 0, meta.stage), reps)
                 log(f"  of which staging the {meta.stage.src_pages.numel()} prefix pages: {t:.3f} ms")
+                bench_mixed_step(cache, perm, q, k, v, dt, reps, rows)
             del cache
         except Exception:
             log(f"  prefill {kv} FAILED:\n{traceback.format_exc()}")
         torch.cuda.empty_cache()
+
+
+def bench_mixed_step(cache: KVCache, perm: torch.Tensor, q, k, v, dt: torch.dtype, reps: int,
+                     rows: list) -> None:
+    """A chunked-prefill step: 2 chunks of 2,048 tokens (staged) and 62 decode rows (read in place),
+    each over a 2,048-token prefix; against every page read in place."""
+    pp, n_dec, new, kv = 2048 // BS, 62, 2048, cache.layout.kv_dtype
+    seqs = [SeqSlice(2048, new, perm[b * pp:(b + 1) * pp].tolist() + [0] * (new // BS), 0) for b in range(2)]
+    seqs += [SeqSlice(2048, 1, perm[(2 + i % 2) * pp:(3 + i % 2) * pp].tolist() + [0], 0) for i in range(n_dec)]
+    meta = build_attention_metadata(seqs, cache.layout, 1, "cuda")
+    T = 2 * new + n_dec
+    qd, kd, vd = q[:T].to(dt), k[:T].to(dt), v[:T].to(dt)
+    times = {}
+    for staging in (True, False):
+        times[staging] = time_ms(lambda: prefill_attention(cache, 0, qd, kd, vd, meta, D ** -0.5, staging=staging), reps)
+        name = f"paged {kv} " + ("staged + in place" if staging else "all in place")
+        rows.append(("mixed 2x2048 + 62 decode, +2048", name, times[staging], math.nan, math.nan, math.nan, math.nan))
+    log(f"  mixed step {kv}: staged {times[True]:.3f} ms, in place {times[False]:.3f} ms "
+        f"({times[False] / times[True]:.2f}x)")
 
 
 def table(rows: list, read_tbs: float, copy_tbs: float) -> str:

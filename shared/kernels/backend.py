@@ -53,7 +53,7 @@ class PrefixStage:
     """int32 [B, max_blocks]: a staged sequence's full prefix pages as workspace pages; -1 elsewhere
     (whole rows of -1 for the sequences read in place)."""
     every: bool
-    """Every sequence with a full prefix page is staged: the kernel needs no in-place path."""
+    """Every sequence with a full prefix page is staged: one launch, no in-place pass."""
 
 
 @dataclass

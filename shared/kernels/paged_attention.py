@@ -166,7 +166,7 @@ def paged_attention_kernel(
     residual_slots_ptr,  # int32 [B]
     stage_ptr,  # fp16 [P, 2, KVH, BS, D] workspace pages (as uint8), when STAGED
     stage_tables_ptr,  # int32 [B, max_pages] workspace page of each full page; rows of -1: not staged
-    # (STAGED: 0 = no workspace, 1 = some sequences staged, 2 = all that have full pages)
+    # (STAGED: 0 = no workspace; a step that staged: 1 = its staged sequences, 2 = the others)
     stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh,
     stride_bt,  # elements between block-table rows
     page_stride,  # units (see `_unit`) between pages
@@ -188,8 +188,15 @@ def paged_attention_kernel(
     q_start = tl.load(query_start_ptr + b)
     q_len = tl.load(query_start_ptr + b + 1) - q_start
     tok0 = tile * TOK_PER_TILE
-    if tok0 < q_len:
-        prefix = tl.load(prefix_lens_ptr + b)
+    prefix = tl.load(prefix_lens_ptr + b)
+    n_end = prefix // BS * BS  # keys in full pages
+    st_row = stage_tables_ptr + b.to(tl.int64) * stride_st
+    mine = tok0 < q_len
+    if STAGED == 1:  # the staged sequences, and those without full pages
+        mine = mine & ((tl.load(st_row) >= 0) | (n_end == 0))
+    if STAGED == 2:  # the other sequences of a step that staged some
+        mine = mine & (tl.load(st_row) < 0) & (n_end > 0)
+    if mine:
         r = tl.arange(0, BLOCK_M)
         rt = r // G
         head = kvh * G + r % G  # [M] query head of each row
@@ -203,21 +210,16 @@ def paged_attention_kernel(
         m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
 
-        # 1. full pages: dequantized once per step into the fp16 workspace (`prefix_stage.py`) for
-        # the sequences staged there, else read and dequantized here, once per tile
-        n_end = prefix // BS * BS
-        st_row = stage_tables_ptr + b.to(tl.int64) * stride_st
-        bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-        in_place = STAGED == 0
-        if STAGED == 1:  # some sequences staged: this one?
-            in_place = tl.load(st_row) < 0
-        if in_place:
+        # 1. full pages: from the fp16 workspace that `prefix_stage.py` dequantized them into once
+        # per step (STAGED == 1), else read and dequantized here, once per tile
+        if STAGED == 1:  # one-layer fp16 workspace pages (format 1 = FMT_FP16)
+            acc, m_i, l_i = _full_pages(acc, m_i, l_i, q, stage_ptr, st_row, n_end, stage_page, 0, kvh,
+                                        STAGE_V_OFF, 0, 0, 1, False, BS, D, BLOCK_N, DOT, NATIVE, qk_scale)
+        else:
+            bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
             acc, m_i, l_i = _full_pages(acc, m_i, l_i, q, pool_ptr, bt_row, n_end, page_stride, layer_off,
                                         kvh, V_OFF, KS_OFF, VS_OFF, FMT, HAS_SCALE, BS, D, BLOCK_N, DOT,
                                         NATIVE, qk_scale)
-        else:  # fp16 workspace pages (format 1 = FMT_FP16), one layer each
-            acc, m_i, l_i = _full_pages(acc, m_i, l_i, q, stage_ptr, st_row, n_end, stage_page, 0, kvh,
-                                        STAGE_V_OFF, 0, 0, 1, False, BS, D, BLOCK_N, DOT, NATIVE, qk_scale)
 
         # 2. residual tail: prefix % BS tokens in full precision
         n_tail = prefix % BS
@@ -334,7 +336,7 @@ def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch
     staged = workspace is not None
     tables = meta.stage.tables if staged else meta.block_tables
     page16 = 2 * L.kv_heads * L.block_size * D
-    paged_attention_kernel[(n_tiles, B, L.kv_heads)](
+    args = dict(
         q_ptr=q, k_ptr=k, v_ptr=v, out_ptr=out, pool_ptr=cache.pool, res_ptr=res,
         query_start_ptr=meta.query_start_loc, prefix_lens_ptr=meta.prefix_lens,
         block_tables_ptr=meta.block_tables, residual_slots_ptr=meta.residual_slots,
@@ -347,8 +349,10 @@ def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch
         V_OFF=L.v_data_offset // unit, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset,
         FMT=fmt, HAS_SCALE=fmt in (FMT_E4M3, FMT_E5M2, FMT_INT8), KVH=L.kv_heads, G=G,
         BS=L.block_size, D=D, BLOCK_M=block_m, TOK_PER_TILE=tok_per_tile, BLOCK_N=block_n,
-        DOT=_dot_dtype(fmt, q, staged), NATIVE=native_cvt, STAGED=(2 if meta.stage.every else 1) if staged else 0,
-        STAGE_V_OFF=page16 // 2,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+        DOT=_dot_dtype(fmt, q, staged), NATIVE=native_cvt, STAGE_V_OFF=page16 // 2,
+        num_warps=num_warps, num_stages=num_stages)
+    # a step that staged only some sequences runs two launches over disjoint rows, each kernel with
+    # one page loop: the in-place loop's registers (250 for fp8, against 180) slowed the fp16 one
+    for mode in ((1,) if meta.stage.every else (1, 2)) if staged else (0,):
+        paged_attention_kernel[(n_tiles, B, L.kv_heads)](**args, STAGED=mode)
     return out
