@@ -34,7 +34,7 @@ MODEL_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 def make_case(kv: str, gqa: int, head_dim: int, bs: int, prefix_lens: list[int], num_new: list[int],
               *, kv_heads: int = 2, num_layers: int = 2, layer: int = 1, device: str = "cpu",
               first_page: int = 1, spare_pages: int = 3, seed: int = 0, model_dtype: torch.dtype | None = None,
-              stage: StagePolicy = StagePolicy()):
+              stage: StagePolicy = StagePolicy(), split_mixed: bool = False):
     """A cache with random quantized pages in random order and random residual tails, the metadata
     of one step, and q/k/v for its new tokens. Pages come from [first_page, first_page + needed)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -54,7 +54,7 @@ def make_case(kv: str, gqa: int, head_dim: int, bs: int, prefix_lens: list[int],
         nb = -(-(p + n) // bs)
         seqs.append(SeqSlice(p, n, ids[pos:pos + nb].tolist(), int(slots[i])))
         pos += nb
-    meta = build_attention_metadata(seqs, layout, cache.num_residual_slots, device, stage)
+    meta = build_attention_metadata(seqs, layout, cache.num_residual_slots, device, stage, split_mixed)
     T, H = sum(num_new), kv_heads * gqa
     q = torch.randn(T, H, head_dim, generator=g).to(device, model_dtype)
     k = torch.randn(T, kv_heads, head_dim, generator=g).to(device, model_dtype)
@@ -118,6 +118,25 @@ def test_prefill_multiple_tiles_causal():
         return prefill_attention(cache, layer, q, k, v, meta, scale, block_m=16, block_n=16,
                                  num_warps=4, num_stages=1)
     check("fp16", 4, 64, 16, [20, 0], [11, 7], attend=attend)
+
+
+@pytest.mark.parametrize("kv,new", [("fp16", [1, 1, 9, 16]), ("int8", [9, 1, 20, 1]),
+                                    ("int4", [7, 12, 1, 1]), ("bf16", [1, 5, 1, 3])])
+def test_mixed_step_splits_decode_rows(kv, new):
+    # decode rows first / between chunks / last: the decode kernel takes them, the prefill kernel
+    # the chunks (rows as slices when contiguous, else gathered), against one torch pass
+    prefix = [35, 16, 0, 50]
+    cache, meta, q, k, v = make_case(kv, 4, 64, 16, prefix, new, split_mixed=True)
+    m = meta.mixed
+    dec = [i for i, n in enumerate(new) if n == 1]
+    assert m.decode.num_seqs == len(dec) and m.prefill.num_seqs == len(new) - len(dec)
+    assert m.decode.is_decode and m.prefill.max_query_len == max(new)
+    contiguous = dec == list(range(dec[0], dec[0] + len(dec)))
+    assert isinstance(m.decode_rows, slice) == contiguous
+    ref = TorchBackend().attend(cache, 1, q, k, v, meta, 0.125)
+    out = TritonBackend().attend(cache, 1, q, k, v, meta, 0.125)
+    assert rel_l2(out, ref) <= TOL[kv]
+    assert make_case(kv, 4, 64, 16, prefix, [1] * 4, split_mixed=True)[1].mixed is None  # pure decode
 
 
 def test_decode_rejects_multi_token_step():

@@ -69,6 +69,7 @@ class ModelRunner:
         # the Triton prefill dequantizes long chunks' prefixes once per layer into a workspace
         triton = self.device.type == "cuda" and cfg.attention_backend != "torch"
         self.stage_policy = StagePolicy() if triton and kv_dtype not in ("fp16", "fp32") else NO_STAGING
+        self.split_mixed = triton  # a mixed step's decode rows go to the decode kernel
         num_blocks = self._num_blocks()
         self.cache = KVCache(self.layout, num_blocks, num_residual_slots, self.dtype, self.device)
         self.backend = make_backend(cfg.attention_backend, self.device)
@@ -120,7 +121,7 @@ class ModelRunner:
         input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)  # [T]
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)  # [T]
         meta = build_attention_metadata(slices, self.layout, self.cache.num_residual_slots, self.device,
-                                        self.stage_policy)
+                                        self.stage_policy, self.split_mixed)
         hidden = self.model(input_ids, positions, meta, self.cache, self.backend)  # [T, hidden]
         sample_logits = self.model.compute_logits(hidden[rows.sample_rows], upcast=False) if rows.sample_rows else None
         prompt_logits = [self.model.compute_logits(hidden[r0:r0 + n]) for r0, n, _ in rows.prompt_rows]

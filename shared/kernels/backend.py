@@ -75,6 +75,8 @@ class AttentionMetadata:
     write: WritePlan
     stage: PrefixStage | None = None
     """The prefix pages to stage this step, or None (backends without a workspace ignore it)."""
+    mixed: "MixedSplit | None" = None
+    """A step of decode rows and longer chunks, split so each part gets its own kernel; or None."""
 
     @property
     def num_seqs(self) -> int:
@@ -83,6 +85,20 @@ class AttentionMetadata:
     @property
     def is_decode(self) -> bool:
         return self.max_query_len == 1
+
+
+@dataclass
+class MixedSplit:
+    """A mixed step's two parts: its decode rows (one new token each) for the decode kernel, its
+    longer chunks for the prefill kernel. A decode row alone in a prefill tile of 128 rows fills
+    G of them and reads its pages without splits. Rows are slices when contiguous (no gather)."""
+
+    decode_rows: slice | torch.Tensor
+    """The step's rows (int64 [n] or a slice) of the sequences with one new token..."""
+    decode: AttentionMetadata
+    """...and their metadata (attention fields only: `write` is empty)."""
+    prefill_rows: slice | torch.Tensor
+    prefill: AttentionMetadata
 
 
 class AttentionBackend(Protocol):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmesh.kernels.backend import AttentionMetadata, PrefixStage, WritePlan
+from kvmesh.kernels.backend import AttentionMetadata, MixedSplit, PrefixStage, WritePlan
 from kvmesh.kv.layout import BlockLayout
 
 
@@ -131,15 +131,8 @@ def build_prefix_stage(seqs: list[SeqSlice], layout: BlockLayout, width: int,
     return PrefixStage(torch.tensor(list(src), dtype=torch.int32), tables, every)
 
 
-def build_attention_metadata(seqs: list[SeqSlice], layout: BlockLayout, num_residual_slots: int,
-                             device: torch.device | str = "cpu",
-                             stage: StagePolicy = StagePolicy()) -> AttentionMetadata:
-    """One step's metadata. New tokens of the batch are laid out sequence after sequence, in order."""
-    if not seqs:
-        raise ValueError("seqs must not be empty")
-    bs = layout.block_size
-    for i, s in enumerate(seqs):
-        _check(i, s, bs, num_residual_slots)
+def _attention_fields(seqs: list[SeqSlice], layout: BlockLayout, dev: torch.device, stage: StagePolicy,
+                      write: WritePlan) -> AttentionMetadata:
     query_start = [0]
     for s in seqs:
         query_start.append(query_start[-1] + s.num_new)
@@ -148,9 +141,7 @@ def build_attention_metadata(seqs: list[SeqSlice], layout: BlockLayout, num_resi
     for i, s in enumerate(seqs):
         if s.block_table:
             table[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-    plan = build_write_plan(seqs, bs, num_residual_slots, query_start[:-1])
     staged = build_prefix_stage(seqs, layout, width, stage)
-    dev = torch.device(device)
     return AttentionMetadata(
         query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
         prefix_lens=torch.tensor([s.prefix_len for s in seqs], dtype=torch.int32, device=dev),
@@ -158,8 +149,52 @@ def build_attention_metadata(seqs: list[SeqSlice], layout: BlockLayout, num_resi
         residual_slots=torch.tensor([s.residual_slot for s in seqs], dtype=torch.int32, device=dev),
         max_query_len=max(s.num_new for s in seqs),
         max_prefix_len=max(s.prefix_len for s in seqs),
-        write=WritePlan(plan.block_rows.to(dev), plan.block_ids.to(dev),
-                        plan.residual_src.to(dev), plan.residual_dst.to(dev)),
+        write=write,
         stage=None if staged is None else PrefixStage(staged.src_pages.to(dev), staged.tables.to(dev),
                                                       staged.every),
     )
+
+
+def _rows(rows: list[int], dev: torch.device) -> slice | torch.Tensor:
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, dtype=torch.int64, device=dev)
+
+
+def _split_mixed(seqs: list[SeqSlice], layout: BlockLayout, dev: torch.device, stage: StagePolicy,
+                 query_start: list[int]) -> MixedSplit | None:
+    dec = [i for i, s in enumerate(seqs) if s.num_new == 1]
+    rest = [i for i, s in enumerate(seqs) if s.num_new > 1]
+    if not dec or not rest:
+        return None
+    bs = layout.block_size
+    none = WritePlan(torch.empty(0, bs, dtype=torch.int64), torch.empty(0, dtype=torch.int64),
+                     torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
+    prefill_rows = [r for i in rest for r in range(query_start[i], query_start[i + 1])]
+    return MixedSplit(_rows([query_start[i] for i in dec], dev),
+                      _attention_fields([seqs[i] for i in dec], layout, dev, stage, none),
+                      _rows(prefill_rows, dev),
+                      _attention_fields([seqs[i] for i in rest], layout, dev, stage, none))
+
+
+def build_attention_metadata(seqs: list[SeqSlice], layout: BlockLayout, num_residual_slots: int,
+                             device: torch.device | str = "cpu", stage: StagePolicy = StagePolicy(),
+                             split_mixed: bool = False) -> AttentionMetadata:
+    """One step's metadata. New tokens of the batch are laid out sequence after sequence, in order.
+    `split_mixed`: a step of decode rows and longer chunks also carries its two parts (`MixedSplit`)."""
+    if not seqs:
+        raise ValueError("seqs must not be empty")
+    bs = layout.block_size
+    for i, s in enumerate(seqs):
+        _check(i, s, bs, num_residual_slots)
+    query_start = [0]
+    for s in seqs:
+        query_start.append(query_start[-1] + s.num_new)
+    plan = build_write_plan(seqs, bs, num_residual_slots, query_start[:-1])
+    dev = torch.device(device)
+    write = WritePlan(plan.block_rows.to(dev), plan.block_ids.to(dev), plan.residual_src.to(dev),
+                      plan.residual_dst.to(dev))
+    meta = _attention_fields(seqs, layout, dev, stage, write)
+    if split_mixed:
+        meta.mixed = _split_mixed(seqs, layout, dev, stage, query_start)
+    return meta

@@ -1,6 +1,8 @@
 """`TritonBackend`: the GPU attention backend built on the fused Triton kernels.
 
-attend: `decode_attention` when every sequence has one new token, else `prefill_attention`.
+attend: `decode_attention` when every sequence has one new token, else `prefill_attention`; a
+mixed step split by the metadata (`MixedSplit`) runs its decode rows through the first, the rest
+through the second.
 write: `cache_write.write_blocks` quantizes completed blocks into their pages (-1 ids skipped),
 then the leftover rows are copied to the residual slots (in that order: the kernel reads residual
 rows that the copy may overwrite).
@@ -27,7 +29,14 @@ class TritonBackend:
         k, v = k.contiguous(), v.contiguous()
         if meta.is_decode:
             return decode_attention(cache, layer, q, k, v, meta, scale)
-        return prefill_attention(cache, layer, q, k, v, meta, scale)
+        if meta.mixed is None:
+            return prefill_attention(cache, layer, q, k, v, meta, scale)
+        m = meta.mixed  # decode rows to the decode kernel, the chunks to the prefill kernel
+        out = torch.empty_like(q)
+        d, p = m.decode_rows, m.prefill_rows
+        out[d] = decode_attention(cache, layer, q[d], k[d], v[d], m.decode, scale)
+        out[p] = prefill_attention(cache, layer, q[p], k[p], v[p], m.prefill, scale)
+        return out
 
     def write(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
               meta: AttentionMetadata) -> None:
