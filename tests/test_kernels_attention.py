@@ -212,6 +212,15 @@ def test_gpu_decode_and_extend(kv, gqa, head_dim, bs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv", DTYPES)
+def test_gpu_mixed_step(kv):
+    # decode rows (direct kernels where they serve) beside a staged chunk and a short extend
+    lens, new = [1000, 3000, 17, 2049, 700, 0], [1, 300, 1, 1, 40, 1]
+    for model in (None, torch.bfloat16) if kv not in ("fp32", "fp16", "bf16") else (None,):
+        check(kv, 4, 128, 16, lens, new, kv_heads=8, device="cuda", split_mixed=True, model_dtype=model)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["fp16", "fp8_e4m3", "int8", "int4"])
 def test_gpu_pool_past_65536_pages(kv):
     # pages >= 70,000 of a one-layer pool: page * page_bytes passes 2**32 (int64 offsets needed)
