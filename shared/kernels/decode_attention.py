@@ -53,10 +53,13 @@ class DecodeTiles:
     native_cvt: bool = False  # hardware fp8 -> fp16 conversion instead of bit operations
     split_codes: int = 0  # 8-bit codes as 32-bit words in even/odd channel halves: 1 K and V, 2 V only
     pad_rows: bool = True  # query rows padded to 16 (else G: Triton pads the dot, the softmax runs on G)
+    heads_first: bool = False  # grid (KVH, B, splits): a sequence's KV heads launched side by side
 
 
 # Fastest on the H200 over 64 x 4096 and 16 x 16384 (benchmarks/decode_sweep.py, docs/kernels.md).
-TILES = {FMT_FP32: DecodeTiles(32, 3), FMT_FP16: DecodeTiles(32, 5), FMT_BF16: DecodeTiles(128, 3),
+# bf16 heads first: +1 % at 64 x 4096 and 256 x 1024, = elsewhere (fp16: +0.9 % at 256 x 1024, -0.4-0.6 %
+# at two others: not kept). H200, two runs of benchmarks/decode_direct_sweep.py (docs/decode_direct.md).
+TILES = {FMT_FP32: DecodeTiles(32, 3), FMT_FP16: DecodeTiles(32, 5), FMT_BF16: DecodeTiles(128, 3, heads_first=True),
          FMT_E4M3: DecodeTiles(128, 1, native_cvt=True), FMT_E5M2: DecodeTiles(128, 1, pad_rows=False),
          FMT_INT8: DecodeTiles(128, 3, split_codes=1), FMT_INT4: DecodeTiles(32, 5, pad_rows=False)}
 
@@ -85,9 +88,10 @@ def decode_kernel(
     BS: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PARTIAL: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr, SPLIT: tl.constexpr,
     ASM: tl.constexpr,
+    HEADS_FIRST: tl.constexpr = False,  # grid (KVH, B, splits): a sequence's KV heads launched side by side
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    b = tl.program_id(1) if HEADS_FIRST else tl.program_id(0)
+    kvh = tl.program_id(0) if HEADS_FIRST else tl.program_id(1)
     split = tl.program_id(2)
     prefix = tl.load(prefix_lens_ptr + b)
     r = tl.arange(0, BLOCK_H)
@@ -270,7 +274,8 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
                      block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                      programs_per_sm: int = 0, native_cvt: bool | None = None,
                      split_codes: int | None = None, block_h: int | None = None,
-                     maxnreg: int | None = None, direct: bool | None = None) -> torch.Tensor:
+                     maxnreg: int | None = None, direct: bool | None = None,
+                     heads_first: bool | None = None) -> torch.Tensor:
     """out [B, H, D] for q [B, H, D] (one new token per sequence, k/v [B, KVH, D] its new K/V).
     None takes the format's entry in TILES. `native_cvt` converts fp8/int8 with the hardware
     instructions instead of bit operations; `split_codes` reads 8-bit codes as 32-bit words decoded
@@ -279,7 +284,8 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
     (G padded to 16, or G itself where Triton pads the dot); `maxnreg` caps registers per thread.
     8-bit pages go to the register-direct Gluon kernel (`decode_direct.py`) where it serves the case
     (`direct=None`); `direct=False` forces this kernel, `direct=True` requires the other (a
-    ValueError says why where it cannot serve)."""
+    ValueError says why where it cannot serve); `heads_first` launches a sequence's KV heads side by side
+    (this kernel)."""
     if meta.max_query_len != 1 or q.shape[0] != meta.num_seqs:
         raise ValueError(f"decode needs one new token per sequence: max_query_len={meta.max_query_len}, "
                          f"T={q.shape[0]}, B={meta.num_seqs}")
@@ -322,6 +328,7 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
         raise ValueError(f"block_n must be a multiple of the block size {L.block_size}, got {block_n}")
     num_stages = tiles.num_stages if num_stages is None else num_stages
     native_cvt = tiles.native_cvt if native_cvt is None else native_cvt
+    heads_first = tiles.heads_first if heads_first is None else heads_first
     split_codes = int(tiles.split_codes if split_codes is None else split_codes) if fmt in (
         FMT_E4M3, FMT_E5M2, FMT_INT8) else 0
     unit = _unit(fmt)
@@ -340,6 +347,7 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
         BS=L.block_size, D=D, BLOCK_H=block_h, BLOCK_N=block_n,
         DOT=_dot_dtype(fmt, q), NATIVE=native_cvt, SPLIT=int(split_codes),
         ASM=bool(native_cvt and os.environ.get("TRITON_INTERPRET") != "1"),  # no inline PTX there
+        HEADS_FIRST=heads_first and B < 65536,
         num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
     if splits is None:
         resident = programs_per_sm or resident_of("plain", decode_kernel, args, q.device)

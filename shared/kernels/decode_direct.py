@@ -19,7 +19,9 @@ Scales: the page's (fp8) or each token's (int8) K scale multiplies the scores; t
 p, times the format's largest code C (p * s * C = p * absmax stays in fp16's normal range), and the
 output is divided by C at the end. Full pages need no masks; the residual tail and the new token
 (full precision) are one more 16-token chunk, masked. The next chunk's loads are in flight while a
-chunk is computed (pages carried as 32-bit words: as bytes, each would take a register). Splits
+chunk is computed (pages carried as 32-bit words: as bytes, each would take a register). fp8 pages
+are read with K in whole 32-byte sectors, one inline-asm pack of vector loads per operand with an
+L2 prefetch-size hint, and the grid launches a sequence's KV heads side by side (`PageLoads`). Splits
 write partials like the plain kernel's; up to FUSED_MAX_SPLITS the last split of each (sequence,
 KV head) reduces them (a counter per pair), beyond that `reduce_splits_kernel` does.
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -40,8 +43,9 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from kvmesh.kernels.mma_fragments import (A_OP, B_OP, CHUNK_C, MMA, codes_fp16, halves, k_layout, tail_rows,
-                                              k_logical, k_operand, to_fp16, v_layout, v_operand)
+    from kvmesh.kernels.mma_fragments import (A_OP, B_OP, CHUNK_C, MMA, codes_fp16, halves, k_layout, load_words,
+                                              k_logical, k_operand, tail_rows, to_fp16, v_layout,
+                                              v_operand)
     from kvmesh.kernels.split_partials import store_output
 FORMATS = (FMT_E4M3, FMT_E5M2, FMT_INT8)
 CODE_MAX = {FMT_E4M3: 448.0, FMT_E5M2: 57344.0, FMT_INT8: 127.0}
@@ -96,14 +100,14 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _chunk(acc, m_i, l_i, q_op, kcorr, kf, vf, ks, vs, qk_scale, valid, MASK: gl.constexpr,
-               OFFSET: gl.constexpr, D: gl.constexpr):
+               OFFSET: gl.constexpr, D: gl.constexpr, KSEC: gl.constexpr):
         """One 16-token chunk, K and V as fp16 [16, D] in memory channel order (k_layout, v_layout);
         ks / vs: the K scale(s), the V scale(s) times the code maximum (scalars, or [16, 1] per
         token); valid: [16] tokens that count (MASK). OFFSET: the key codes carry +1152 and kcorr
         [16, 8] = 1152 x each head's sum of q comes off the raw scores. (The same for values, 1152 x
         the sum of the weights off the output, cancels too much: 2e-2 relative error at 32k random
         tokens, whose average value is near zero.)"""
-        st = mma_v2(k_operand(kf, D), q_op, gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA))
+        st = mma_v2(k_operand(kf, D, KSEC), q_op, gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA))
         if OFFSET:
             st = st - kcorr
         st = st * (ks * qk_scale)
@@ -113,7 +117,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _load_chunk(pool_ptr, bt_row, chunk, kvh, page_stride, layer_off, ko, vo, KS_OFF: gl.constexpr,
-                    VS_OFF: gl.constexpr, FMT: gl.constexpr, BS: gl.constexpr, D: gl.constexpr):
+                    VS_OFF: gl.constexpr, FMT: gl.constexpr, BS: gl.constexpr, D: gl.constexpr,
+                    KSEC: gl.constexpr, L2PF: gl.constexpr):
         """Codes (uint32 words [16, D/4], K in k_layout, V in v_layout) and scales of one 16-token
         chunk of a page: fp32 scalars (fp8, the page's) or fp32 [16, 1] per token (int8). ko / vo:
         the loop-invariant word offsets of the thread's K and V words inside a page's layer region
@@ -126,11 +131,11 @@ if HAVE_GLUON:
         if CPP > 1:  # the chunk's rows inside the page
             r = (chunk % CPP) * CHUNK_C
             r0 = r0 + r
-            kb = gl.load(p32 + (ko + r * (D // 4)))
-            vb = gl.load(p32 + (vo + r * (D // 4)))
+            kb = load_words(p32 + (ko + r * (D // 4)), D, False, KSEC, L2PF)
+            vb = load_words(p32 + (vo + r * (D // 4)), D, True, KSEC, L2PF)
         else:
-            kb = gl.load(p32 + ko)
-            vb = gl.load(p32 + vo)
+            kb = load_words(p32 + ko, D, False, KSEC, L2PF)
+            vb = load_words(p32 + vo, D, True, KSEC, L2PF)
         if FMT == 5:  # per token, along the rows of S^T
             ps = pb.to(gl.pointer_type(gl.float16), bitcast=True)
             t = r0 + gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, MMA))
@@ -169,16 +174,19 @@ if HAVE_GLUON:
         FUSED: gl.constexpr,  # the last split of each (sequence, KV head) reduces the partials
         BF16: gl.constexpr,  # a bf16 model (q, new K/V, residual and output in bf16)
         RMAX: gl.constexpr = 4,  # FUSED: partials the reduction unrolls over (a power of two >= splits)
+        KSEC: gl.constexpr = False,  # K loads in whole 32-byte sectors (mma_fragments.k_layout)
+        L2PF: gl.constexpr = 0,  # page loads ask L2 for this many bytes around them (0: plain loads)
+        HEADS_FIRST: gl.constexpr = False,  # grid (KVH, B, splits): a sequence's heads are launched together
     ):
-        LK: gl.constexpr = k_layout(D, False)
+        LK: gl.constexpr = k_layout(D, False, KSEC)
         LV: gl.constexpr = v_layout(D, False)
-        LKW: gl.constexpr = k_layout(D, True)
+        LKW: gl.constexpr = k_layout(D, True, KSEC)
         LVW: gl.constexpr = v_layout(D, True)
         # per head of the KV group / per token of a chunk, where the score orientation keeps them
         HL: gl.constexpr = gl.SliceLayout(0, MMA)  # [8] per query head of the group
         TL: gl.constexpr = gl.SliceLayout(1, MMA)  # [16] per token of a chunk
-        b = gl.program_id(0)
-        kvh = gl.program_id(1)
+        b = gl.program_id(1) if HEADS_FIRST else gl.program_id(0)
+        kvh = gl.program_id(0) if HEADS_FIRST else gl.program_id(1)
         split = gl.program_id(2)
         prefix = gl.load(prefix_lens_ptr + b)
         tk = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, LK))
@@ -198,7 +206,7 @@ if HAVE_GLUON:
         if BF16:  # a bf16 model: q in fp16 times a power of two (exact), which joins the softmax scale
             q, fq = to_fp16(q, tk < g_rows)
             qk_scale = qk_scale * fq
-        q_op = gl.convert_layout(gl.permute(halves(k_logical(q, D)), [1, 0]), B_OP,
+        q_op = gl.convert_layout(gl.permute(halves(k_logical(q, D, KSEC)), [1, 0]), B_OP,
                                  assert_trivial=True)  # q^T [D, 8]
         OFFSET: gl.constexpr = FMT == 5  # int8 key codes decoded as code + 1152 (see codes_fp16)
         kcorr = 0.0
@@ -219,12 +227,13 @@ if HAVE_GLUON:
         ko = ((kvh * BS + tkw) * (D // 4))[:, None] + wk[None, :]  # loop-invariant word offsets in a page
         vo = V_OFF // 4 + ((kvh * BS + tvw) * (D // 4))[:, None] + wv[None, :]
         kb, vb, ks, vs = _load_chunk(pool_ptr, bt_row, gl.minimum(lo, gl.maximum(n_chunks - 1, 0)), kvh,
-                                     page_stride, layer_off, ko, vo, KS_OFF, VS_OFF, FMT, BS, D)
+                                     page_stride, layer_off, ko, vo, KS_OFF, VS_OFF, FMT, BS, D, KSEC, L2PF)
         for c in range(lo, hi):
             kb_n, vb_n, ks_n, vs_n = _load_chunk(pool_ptr, bt_row, gl.minimum(c + 1, hi - 1), kvh, page_stride,
-                                                 layer_off, ko, vo, KS_OFF, VS_OFF, FMT, BS, D)
+                                                 layer_off, ko, vo, KS_OFF, VS_OFF, FMT, BS, D, KSEC, L2PF)
             acc, m_i, l_i = _chunk(acc, m_i, l_i, q_op, kcorr, codes_fp16(kb, FMT, OFFSET),
-                                   codes_fp16(vb, FMT, False), ks, vs * CMAX, qk_scale, every, False, OFFSET, D)
+                                   codes_fp16(vb, FMT, False), ks, vs * CMAX, qk_scale, every, False, OFFSET, D,
+                                   KSEC)
             kb, vb, ks, vs = kb_n, vb_n, ks_n, vs_n
 
         # 2. the last split: residual tail (prefix % BS tokens, fp16) and the new token, masked
@@ -238,7 +247,7 @@ if HAVE_GLUON:
                                            tv, cv, KVH, BS, D, BF16)
                 valid = (t0 + gl.arange(0, CHUNK_C, layout=TL)) <= n_tail
                 acc, m_i, l_i = _chunk(acc, m_i, l_i, q_op, kcorr, kf, vf, fk, CMAX * fv, qk_scale, valid, True,
-                                       False, D)
+                                       False, D, KSEC)
 
         # 3. normalize, back to memory channel order, store
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
@@ -252,14 +261,31 @@ if HAVE_GLUON:
 MAXNREG = 128  # 16 one-warp programs per SM (D <= 128); uncapped, int8's prefetching variant took 166
 
 
+@dataclass(frozen=True)
+class PageLoads:
+    """How a program reads its pages (kernel constexprs KSEC, L2PF, HEADS_FIRST)."""
+
+    k_sectors: bool = True  # K loads in whole 32-byte sectors (mma_fragments.k_layout SEC)
+    l2_prefetch: int = 128  # bytes L2 fetches around each page load (ld.global.L2::<n>B; 0: none)
+    heads_first: bool = True  # grid (KVH, B, splits): a sequence's KV heads launched side by side
+
+
+# H200, two runs of benchmarks/decode_direct_sweep.py (docs/decode_direct.md): fp8 +0.3-1.3 % at three
+# cases with all three; int8 with them -0.6-+0.2 % (its K sectors + hints alone spill and lose 1.5-4 %)
+LOADS = {FMT_E4M3: PageLoads(), FMT_E5M2: PageLoads(), FMT_INT8: PageLoads(False, 0, False)}
+
+
 def decode_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float, *,
-                  splits: int | None = None, fused: bool | None = None, maxnreg: int | None = None) -> torch.Tensor:
+                  splits: int | None = None, fused: bool | None = None, maxnreg: int | None = None,
+                  loads: PageLoads | None = None) -> torch.Tensor:
     """out [B, H, D] for q [B, H, D] fp16 or bf16 (one new token per sequence; k/v [B, KVH, D] its new
     K/V) over 8-bit pages; `supports` must hold and the caller (`decode_attention`) has checked the
     arguments. `splits` overrides the split count (from shapes and the compiled kernel's residency),
     `fused` whether the last split reduces (None: up to FUSED_MAX_SPLITS splits), `maxnreg` the
-    register cap."""
+    register cap, `loads` the format's entry in LOADS."""
     fmt = FMT_CODES[cache.layout.kv_dtype]
     cap = maxnreg or (MAXNREG if q.shape[2] <= 128 else None)
+    lo = loads or LOADS[fmt]
     return launch_direct(decode_direct_kernel, "direct", cache, layer, q, k, v, meta, scale, splits=splits,
-                         fused=fused, maxnreg=cap, FMT=fmt, CMAX=CODE_MAX[fmt])
+                         fused=fused, maxnreg=cap, FMT=fmt, CMAX=CODE_MAX[fmt], KSEC=lo.k_sectors,
+                         L2PF=lo.l2_prefetch, HEADS_FIRST=lo.heads_first and q.shape[0] < 65536)

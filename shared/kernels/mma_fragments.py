@@ -7,7 +7,8 @@ without moving data, and 8-bit codes to fp16 two per instruction (Gluon; GPU onl
   dot product does not care about channel order, so logical channel k is memory channel
       c = (D/4) t + 4 j + 2 ph + pl    for k = 16 j + 8 ph + 2 t + pl
   and each thread's D/4 memory channels of a token are contiguous (16-byte loads). q^T (the B
-  operand [D, 8]) takes the same permutation.
+  operand [D, 8]) takes the same permutation. With SEC, c = 64 (j // 4) + 16 t + 4 (j % 4) + 2 ph + pl
+  instead: the 4 threads of a token read 64 contiguous bytes per load (whole sectors).
 - V^T is the A operand [D, 16 tokens] of O^T = V^T . P^T: a thread holds tokens {2t, 2t+1, 2t+8,
   2t+9} and logical channels m = lane/4 + 8 i, memory channel c = (D/8) (lane/4) + i: D/8
   contiguous bytes per token.
@@ -29,39 +30,89 @@ if HAVE_GLUON:
     CHUNK_C = gl.constexpr(CHUNK)
 
     @gluon.constexpr_function
-    def k_layout(D, WORDS):
-        """[16 tokens, D memory channels] (or [16, D/4] 32-bit words with WORDS): a thread holds D/4
-        contiguous channels of tokens lane/4 and lane/4 + 8 (see the module docstring)."""
-        per = D // 16 if WORDS else D // 4  # elements per thread per token
-        return gl.DistributedLinearLayout(
-            reg_bases=[[0, 1 << i] for i in range(per.bit_length() - 1)] + [[8, 0]],
-            lane_bases=[[0, per], [0, 2 * per], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[], block_bases=[], shape=[CHUNK_C, D // 4 if WORDS else D])
+    def _k_bases(D, WORDS, SEC):
+        """(register, lane) bases of k_layout."""
+        unit = 4 if WORDS else 1  # channels per element
+        per = D // 4 // unit  # elements per thread per token
+        if SEC:
+            run = 16 // unit  # elements of one 16-byte run
+            regs = [[0, 1 << i] for i in range(run.bit_length() - 1)]
+            regs = regs + [[0, (64 // unit) << i] for i in range((D // 64).bit_length() - 1)]
+            lanes = [[0, run], [0, 2 * run]]
+        else:
+            regs = [[0, 1 << i] for i in range(per.bit_length() - 1)]
+            lanes = [[0, per], [0, 2 * per]]
+        return regs + [[8, 0]], lanes + [[1, 0], [2, 0], [4, 0]]
 
+    @gluon.constexpr_function
+    def _v_bases(D, WORDS):
+        """(register, lane) bases of v_layout."""
+        per = D // 32 if WORDS else D // 8
+        return ([[0, 1 << i] for i in range(per.bit_length() - 1)] + [[1, 0], [8, 0]],
+                [[2, 0], [4, 0], [0, per], [0, 2 * per], [0, 4 * per]])
+
+    @gluon.constexpr_function
+    def k_layout(D, WORDS, SEC=False):
+        """[16 tokens, D memory channels] (or [16, D/4] 32-bit words with WORDS): a thread holds D/4
+        channels of tokens lane/4 and lane/4 + 8 (see the module docstring). SEC: as D/64 runs of 16
+        contiguous channels, 64 apart, so the 4 threads of a token read 64 contiguous bytes per
+        16-byte load (whole 32-byte sectors; else each load takes half of every sector of a row and
+        the next load asks for the same sectors again)."""
+        regs, lanes = _k_bases(D, WORDS, SEC)
+        return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=lanes, warp_bases=[], block_bases=[],
+                                          shape=[CHUNK_C, D // 4 if WORDS else D])
 
     @gluon.constexpr_function
     def v_layout(D, WORDS):
         """[16 tokens, D memory channels] (or [16, D/4] words): a thread holds D/8 contiguous
         channels (from (D/8) * (lane/4)) of tokens 2t, 2t+1, 2t+8, 2t+9."""
-        per = D // 32 if WORDS else D // 8
-        return gl.DistributedLinearLayout(
-            reg_bases=[[0, 1 << i] for i in range(per.bit_length() - 1)] + [[1, 0], [8, 0]],
-            lane_bases=[[2, 0], [4, 0], [0, per], [0, 2 * per], [0, 4 * per]],
-            warp_bases=[], block_bases=[], shape=[CHUNK_C, D // 4 if WORDS else D])
+        regs, lanes = _v_bases(D, WORDS)
+        return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=lanes, warp_bases=[], block_bases=[],
+                                          shape=[CHUNK_C, D // 4 if WORDS else D])
+
+    @gluon.constexpr_function
+    def words_asm(D, V, SEC, L2PF):
+        """PTX that loads all of a thread's words of a chunk's K (V: V) codes, one thread's words
+        being one inline-asm pack: vector loads at immediate offsets from the first word's address
+        (the last operand; the pack's other addresses go unused, and ptxas drops their arithmetic),
+        each telling L2 to fetch L2PF bytes around it from DRAM on a miss (ld.global.L2::<n>B,
+        which Triton's own loads never emit; 0: no hint). A token's codes are D bytes."""
+        regs = _v_bases(D, True)[0] if V else _k_bases(D, True, SEC)[0]
+        vec = 1
+        while vec < 4 and regs[vec.bit_length() - 1] == [0, vec]:
+            vec *= 2  # registers that are contiguous words
+        n = 1 << len(regs)
+        hint = "" if L2PF == 0 else f".L2::{L2PF}B"
+        lines = []
+        for g in range(0, n, vec):
+            row = sum(regs[i][0] for i in range(len(regs)) if g >> i & 1)
+            word = sum(regs[i][1] for i in range(len(regs)) if g >> i & 1)
+            outs = ", ".join(f"${g + j}" for j in range(vec))
+            lines.append(f"ld.global{hint}.v{vec}.u32 {{{outs}}}, [${n}+{row * D + 4 * word}];" if vec > 1 else
+                         f"ld.global{hint}.u32 {outs}, [${n}+{row * D + 4 * word}];")
+        return " ".join(lines)
+
+    @gluon.constexpr_function
+    def words_constraints(n):
+        return ",".join(["=r"] * n + ["l"] * n)
 
 
     @gluon.jit
-    def k_logical(x, D: gl.constexpr):
+    def k_logical(x, D: gl.constexpr, SEC: gl.constexpr = False):
         """[16 rows, D] in k_layout (memory channel order) -> the same registers in logical channel
-        order, k = 16 j + 8 ph + 2 t + pl for memory channel (D/4) t + 4 j + 2 ph + pl (nothing moves)."""
-        return gl.reshape(gl.permute(gl.reshape(x, [CHUNK_C, 4, D // 16, 2, 2]), [0, 2, 3, 1, 4]), [CHUNK_C, D])
-
+        order, k = 16 j + 8 ph + 2 t + pl for memory channel (D/4) t + 4 j + 2 ph + pl, or with SEC
+        64 (j // 4) + 16 t + 4 (j % 4) + 2 ph + pl (nothing moves)."""
+        if SEC:
+            y = gl.permute(gl.reshape(x, [CHUNK_C, D // 64, 4, 4, 2, 2]), [0, 1, 3, 4, 2, 5])
+        else:
+            y = gl.permute(gl.reshape(x, [CHUNK_C, 4, D // 16, 2, 2]), [0, 2, 3, 1, 4])
+        return gl.reshape(y, [CHUNK_C, D])
 
 
     @gluon.jit
-    def k_operand(x, D: gl.constexpr):
+    def k_operand(x, D: gl.constexpr, SEC: gl.constexpr = False):
         """K [16 tokens, D] in k_layout -> the A operand of S^T = K . q^T (registers reordered only)."""
-        return gl.convert_layout(k_logical(x, D), A_OP, assert_trivial=True)
+        return gl.convert_layout(k_logical(x, D, SEC), A_OP, assert_trivial=True)
 
 
     @gluon.jit
@@ -71,6 +122,18 @@ if HAVE_GLUON:
         x = gl.reshape(gl.permute(gl.reshape(x, [CHUNK_C, 8, D // 8]), [0, 2, 1]), [CHUNK_C, D])
         return gl.convert_layout(gl.permute(x, [1, 0]), A_OP)
 
+
+    @gluon.jit
+    def load_words(p, D: gl.constexpr, V: gl.constexpr, SEC: gl.constexpr, L2PF: gl.constexpr):
+        """uint32 words [16, D/4] at the pointers p (k_layout(D, True, SEC), or v_layout(D, True) with
+        V): a plain load, or with L2PF one inline-asm pack per thread (words_asm)."""
+        if L2PF == 0:
+            w = gl.load(p)
+        else:
+            N: gl.constexpr = D // 8  # words per thread: 16 tokens x D/4 words over 32 lanes
+            w = gl.inline_asm_elementwise(asm=words_asm(D, V, SEC, L2PF), constraints=words_constraints(N),
+                                          args=[p], dtype=gl.uint32, is_pure=True, pack=N)
+        return w
 
     @gluon.jit
     def pairs_fp16(w):

@@ -105,7 +105,8 @@ COUNTERS = SplitCounters()
 
 
 def launch_split(kernel, out: torch.Tensor, kv_heads: int, splits: int, args: dict) -> torch.Tensor:
-    """Runs a decode kernel over (B, KV heads, splits) programs into out [B, H, D]; with more than one
+    """Runs a decode kernel over (B, KV heads, splits) programs into out [B, H, D] (grid (KV heads, B,
+    splits) where args HEADS_FIRST: the kernel reads its program ids that way); with more than one
     split each program writes a normalized partial and its log2-sum-exp, and `reduce_splits_kernel`
     combines them, unless the kernel's last split does (args FUSED)."""
     from kvmesh.kernels.paged_attention import reduce_splits_kernel
@@ -116,8 +117,8 @@ def launch_split(kernel, out: torch.Tensor, kv_heads: int, splits: int, args: di
         part_lse = torch.empty(B, H, splits, dtype=torch.float32, device=out.device)
     else:
         part_out = part_lse = out  # unused
-    kernel[(B, kv_heads, splits)](**args, part_out_ptr=part_out, part_lse_ptr=part_lse, num_splits=splits,
-                                  PARTIAL=splits > 1)
+    grid = (kv_heads, B, splits) if args.get("HEADS_FIRST") else (B, kv_heads, splits)  # y and z < 65,536
+    kernel[grid](**args, part_out_ptr=part_out, part_lse_ptr=part_lse, num_splits=splits, PARTIAL=splits > 1)
     if splits > 1 and not args.get("FUSED"):
         reduce_splits_kernel[(B, H)](
             part_out_ptr=part_out, part_lse_ptr=part_lse, out_ptr=out,
