@@ -24,11 +24,13 @@ import torch
 
 import kernels as kb  # benchmarks/kernels.py (puts kvmesh on the path too)
 from kvmesh.kernels.decode_attention import decode_attention
-from kvmesh.kernels.decode_direct import decode_direct
+from kvmesh.kernels.decode_direct import PageLoads, decode_direct
 
-VARIANTS_8 = [("default", dict()), ("unfused", dict(fused=False)), ("all fused", dict(fused=True)),
+OLD = PageLoads(k_sectors=False, l2_prefetch=0, heads_first=False)  # the loads before 2026-12-01 evening
+VARIANTS_8 = [("plain loads", dict(loads=OLD)), ("K sectors + L2 128B", dict(loads=PageLoads(True, 128, False))),
+              ("default", dict()), ("bf16 model, plain loads", dict(bf16=True, loads=OLD)),
               ("bf16 model", dict(bf16=True))]
-VARIANTS_16 = [("plain", dict(plain=True)), ("plain 2 splits", dict(plain=True, splits=2))]
+VARIANTS_16 = [("plain", dict(plain=True, heads_first=False)), ("plain heads first", dict(plain=True, heads_first=True))]
 
 
 def variants(kv: str, again: bool) -> list:
