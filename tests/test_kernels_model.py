@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata
+from kvmesh.kernels.metadata import SeqSlice, StagePolicy, build_attention_metadata
 from kvmesh.kernels.torch_ref import TorchBackend
 from kvmesh.kernels.triton_backend import TritonBackend
 from kvmesh.kv.layout import BlockLayout
@@ -115,10 +115,12 @@ def test_gpu_half_model_direct_decode_matches_torch_backend(kv, dtype):
 
 
 def staged_mixed_steps(model: LlamaForCausalLM, backend, kv: str, dtype: torch.dtype, device: str = "cuda",
-                       decode_steps: int = 8) -> tuple[list[list[int]], torch.Tensor]:
+                       decode_steps: int = 8, split_mixed: bool = True, stage: StagePolicy = StagePolicy(),
+                       forced: list[list[int]] | None = None) -> tuple[list[list[int]], torch.Tensor]:
     """Sequence A: a 330-token prompt in chunks of 150 and 180 (the second has a 144-token page
     prefix: staged); sequence B: a 9-token prompt that decodes beside A's second chunk (a mixed
-    step, split between the kernels), then both decode. Greedy; returns tokens and every logit row."""
+    step, split between the kernels), then both decode. Greedy, or the tokens of `forced` (another
+    run's output); returns tokens and every logit row."""
     cfg = model.config
     layout = BlockLayout(num_layers=cfg.num_layers, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                          block_size=BS, kv_dtype=kv)
@@ -130,7 +132,7 @@ def staged_mixed_steps(model: LlamaForCausalLM, backend, kv: str, dtype: torch.d
     plan = [[(0, 150), (1, 9)], [(0, 180), (1, 1)]] + [[(0, 1), (1, 1)]] * decode_steps
     for step in plan:
         slices = [SeqSlice(done[s], n, tables[s], s) for s, n in step]
-        meta = build_attention_metadata(slices, layout, cache.num_residual_slots, device, split_mixed=True)
+        meta = build_attention_metadata(slices, layout, cache.num_residual_slots, device, stage, split_mixed)
         ids = [t for s, n in step for t in seqs[s][done[s]:done[s] + n]]
         pos = [p for s, n in step for p in range(done[s], done[s] + n)]
         hidden = model(torch.tensor(ids, device=device), torch.tensor(pos, device=device), meta, cache, backend)
@@ -139,7 +141,7 @@ def staged_mixed_steps(model: LlamaForCausalLM, backend, kv: str, dtype: torch.d
         for (s, n), t in zip(step, logits.argmax(-1).tolist()):
             done[s] += n
             if done[s] == len(seqs[s]):  # the prompt is in: its next token is generated
-                seqs[s].append(t)
+                seqs[s].append(forced[s][len(seqs[s])] if forced else t)
     return seqs, torch.cat(logits_all)
 
 
@@ -148,10 +150,12 @@ def staged_mixed_steps(model: LlamaForCausalLM, backend, kv: str, dtype: torch.d
                                       ("fp8_e5m2", torch.bfloat16), ("int8", torch.float16),
                                       ("int8", torch.bfloat16), ("int4", torch.float16), ("int4", torch.bfloat16)])
 def test_gpu_staged_prefix_and_mixed_steps_match_torch_backend(kv, dtype):
+    # the Triton run is fed the torch run's tokens: with activations rounded to bf16 (logits ~7e-3
+    # apart) a random tiny model's greedy runs part at near-ties within a few steps (H200), which
+    # says nothing about the kernels; every step's logits must stay close
     model = tiny_model("cuda", head_dim=64, rope_theta=1e4).to(dtype)
     want, want_logits = staged_mixed_steps(model, TorchBackend(), kv, dtype)
-    got, got_logits = staged_mixed_steps(model, TritonBackend(), kv, dtype)
-    err = ((got_logits - want_logits).norm() / want_logits.norm()).item()
-    tol = 1e-2 if dtype == torch.float16 else 3e-2  # both paths round activations to the model dtype
-    assert err < tol, f"{kv} {dtype}: logits relative L2 {err:.2e}"
-    assert got == want
+    got, got_logits = staged_mixed_steps(model, TritonBackend(), kv, dtype, forced=want)
+    err = ((got_logits - want_logits).norm(dim=1) / want_logits.norm(dim=1)).max().item()
+    tol = 5e-3 if dtype == torch.float16 else 2e-2  # both paths round activations to the model dtype
+    assert err < tol, f"{kv} {dtype}: logits relative L2 {err:.2e} at the worst step"
