@@ -295,12 +295,13 @@ def bench_mixed_step(cache: KVCache, perm: torch.Tensor, q, k, v, dt: torch.dtyp
     pp, n_dec, new, kv = 2048 // BS, 62, 2048, cache.layout.kv_dtype
     seqs = [SeqSlice(2048, new, perm[b * pp:(b + 1) * pp].tolist() + [0] * (new // BS), 0) for b in range(2)]
     seqs += [SeqSlice(2048, 1, perm[(2 + i % 2) * pp:(3 + i % 2) * pp].tolist() + [0], 0) for i in range(n_dec)]
-    meta = build_attention_metadata(seqs, cache.layout, 1, "cuda", split_mixed=True)
+    meta = build_attention_metadata(seqs, cache.layout, 1, "cuda")
+    split = build_attention_metadata(seqs, cache.layout, 1, "cuda", split_mixed=True)
     T = 2 * new + n_dec
     qd, kd, vd = q[:T].to(dt), k[:T].to(dt), v[:T].to(dt)
     ways = {"prefill kernel, pages in place": lambda: prefill_attention(cache, 0, qd, kd, vd, meta, D ** -0.5, staging=False),
             "prefill kernel, chunks staged": lambda: prefill_attention(cache, 0, qd, kd, vd, meta, D ** -0.5),
-            "decode rows split off + staged": lambda: TritonBackend().attend(cache, 0, qd, kd, vd, meta, D ** -0.5)}
+            "decode rows split off + staged": lambda: TritonBackend().attend(cache, 0, qd, kd, vd, split, D ** -0.5)}
     base = None
     for name, fn in ways.items():
         t = time_ms(fn, reps)

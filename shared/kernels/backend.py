@@ -74,7 +74,8 @@ class AttentionMetadata:
     """Longest cached prefix in the batch."""
     write: WritePlan
     stage: PrefixStage | None = None
-    """The prefix pages to stage this step, or None (backends without a workspace ignore it)."""
+    """The prefix pages to stage this step, or None (backends without a workspace ignore it; a
+    split step carries them in `mixed.prefill`)."""
     mixed: "MixedSplit | None" = None
     """A step of decode rows and longer chunks, split so each part gets its own kernel; or None."""
 

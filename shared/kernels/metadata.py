@@ -194,7 +194,8 @@ def build_attention_metadata(seqs: list[SeqSlice], layout: BlockLayout, num_resi
     dev = torch.device(device)
     write = WritePlan(plan.block_rows.to(dev), plan.block_ids.to(dev), plan.residual_src.to(dev),
                       plan.residual_dst.to(dev))
-    meta = _attention_fields(seqs, layout, dev, stage, write)
-    if split_mixed:
-        meta.mixed = _split_mixed(seqs, layout, dev, stage, query_start)
+    mixed = _split_mixed(seqs, layout, dev, stage, query_start) if split_mixed else None
+    # a split step stages in its prefill part, not twice
+    meta = _attention_fields(seqs, layout, dev, NO_STAGING if mixed else stage, write)
+    meta.mixed = mixed
     return meta

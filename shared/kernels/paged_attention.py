@@ -317,9 +317,10 @@ def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch
                            block_m: int, block_n: int, num_warps: int, num_stages: int,
                            max_query_len: int, native_cvt: bool = False,
                            workspace: torch.Tensor | None = None,
-                           out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Runs the prefill/extend kernel over every sequence; returns out [T, H, D] in `out_dtype`
-    (default q's). `workspace`: the staged pages of `meta.stage` (fp16 [P, 2, KVH, BS, D],
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Runs the prefill/extend kernel over every sequence; returns out [T, H, D], written into `out`
+    when given (its dtype is the output's; a view with contiguous channels will do), else in q's
+    dtype. `workspace`: the staged pages of `meta.stage` (fp16 [P, 2, KVH, BS, D],
     `prefix_stage.stage_prefix`), or None."""
     _check(cache, layer, q, k, v, meta)
     L = cache.layout
@@ -331,7 +332,10 @@ def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch
     block_m = max(block_m, 16, triton.next_power_of_2(G))  # rows = tokens x G heads; tl.dot needs 16
     tok_per_tile = block_m // G
     n_tiles = triton.cdiv(max_query_len, tok_per_tile)
-    out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.stride(2) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} with contiguous channels, got {tuple(out.shape)}")
     res = cache.residual
     staged = workspace is not None
     tables = meta.stage.tables if staged else meta.block_tables

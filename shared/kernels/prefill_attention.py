@@ -16,16 +16,18 @@ from kvmesh.kv.pool import KVCache
 
 def prefill_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       meta: AttentionMetadata, scale: float, *, block_m: int = 128, block_n: int = 64,
-                      num_warps: int = 8, num_stages: int = 2, staging: bool = True) -> torch.Tensor:
-    """out [T, H, D] for q [T, H, D], k/v [T, KVH, D] (new tokens of every sequence, in order).
-    The prefix pages of `meta.stage` are dequantized into a workspace first (`staging=False` reads
-    every page in place, for comparison)."""
+                      num_warps: int = 8, num_stages: int = 2, staging: bool = True,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """out [T, H, D] for q [T, H, D], k/v [T, KVH, D] (new tokens of every sequence, in order),
+    written into `out` when given. The prefix pages of `meta.stage` are dequantized into a workspace
+    first (`staging=False` reads every page in place, for comparison)."""
     workspace = stage_prefix(cache, layer, meta.stage) if staging and meta.stage is not None else None
-    out_dtype = q.dtype
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if workspace is not None and q.dtype == torch.bfloat16:
         # the staged kernel's MMAs are fp16: cast once here rather than in every tile's loads
         q, k, v = q.to(torch.float16), k.to(torch.float16), v.to(torch.float16)
     return launch_paged_attention(cache, layer, q, k, v, meta, scale, block_m=block_m,
                                   block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                                   max_query_len=meta.max_query_len, workspace=workspace,
-                                  out_dtype=out_dtype)
+                                  out=out)

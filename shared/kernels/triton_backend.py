@@ -35,7 +35,10 @@ class TritonBackend:
         out = torch.empty_like(q)
         d, p = m.decode_rows, m.prefill_rows
         out[d] = decode_attention(cache, layer, q[d], k[d], v[d], m.decode, scale)
-        out[p] = prefill_attention(cache, layer, q[p], k[p], v[p], m.prefill, scale)
+        if isinstance(p, slice):  # the chunks' rows in one run: the kernel writes them in place
+            prefill_attention(cache, layer, q[p], k[p], v[p], m.prefill, scale, out=out[p])
+        else:
+            out[p] = prefill_attention(cache, layer, q[p], k[p], v[p], m.prefill, scale)
         return out
 
     def write(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
