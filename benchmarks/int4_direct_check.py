@@ -27,7 +27,8 @@ from kvmesh.kernels.decode_int4_direct import decode_int4_direct  # noqa: E402
 from kvmesh.kernels.torch_ref import TorchBackend  # noqa: E402
 
 VARIANTS = {"default": {}, "nocap": dict(maxnreg=None), "cap128": dict(maxnreg=128), "cap144": dict(maxnreg=144),
-            "cap152": dict(maxnreg=152), "unfused": dict(fused=False), "magic": dict(magic=True)}
+            "cap152": dict(maxnreg=152), "unfused": dict(fused=False), "magic": dict(magic=True),
+            "baseline": dict(baseline=True)}  # baseline: an earlier kernel copied to kernels/_baseline_int4_direct.py
 TOL = 2e-3
 log = kb.log
 
@@ -79,11 +80,14 @@ def timing(reps: int, variants: list[str]) -> list:
         t_old = kb.time_ms(lambda: decode_int4(cache, 0, q, kn, vn, meta, scale), reps)
         rows.append((f"{batch}x{ctx}", "tile kernel", t_old, t_sdpa / t_old, 0.0))
         for name in variants:
-            kw = VARIANTS[name]
+            kw = dict(VARIANTS[name])
+            fn = decode_int4_direct
+            if kw.pop("baseline", False):  # a copy of an earlier version, for a side-by-side timing
+                from kvmesh.kernels._baseline_int4_direct import decode_int4_direct as fn
             try:
-                out = decode_int4_direct(cache, 0, q, kn, vn, meta, scale, **kw)
+                out = fn(cache, 0, q, kn, vn, meta, scale, **kw)
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                t = kb.time_ms(lambda: decode_int4_direct(cache, 0, q, kn, vn, meta, scale, **kw), reps)
+                t = kb.time_ms(lambda: fn(cache, 0, q, kn, vn, meta, scale, **kw), reps)
                 rows.append((f"{batch}x{ctx}", f"direct {name}", t, t_sdpa / t, err))
             except Exception:
                 log(f"  {name} {batch}x{ctx} FAILED:\n{traceback.format_exc()}")

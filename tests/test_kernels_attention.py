@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvmesh.kernels.decode_attention import decode_attention, num_splits, resident_programs
+from kvmesh.kernels.splits import slot_cost
 from kvmesh.kernels.decode_direct import decode_direct
 from kvmesh.kernels.decode_direct import supports as decode_direct_supports
 from kvmesh.kernels.metadata import SeqSlice, StagePolicy, build_attention_metadata
@@ -193,6 +194,19 @@ def test_num_splits_from_shapes():
     assert num_splits(64, 8, 4096, 132, 2) == 1  # 2 waves whatever the splits: the fewest
     assert resident_programs(128, 38144, 4, 233472) == 4  # registers bound
     assert resident_programs(216, 80896, 4, 233472) == 2  # registers and shared memory bound
+    # one-warp programs: a warp's registers come from its quarter of the SM (3 of 144 fit a quarter)
+    assert [resident_programs(r, 0, 1, 233472) for r in (128, 144, 168)] == [16, 12, 12]
+
+
+def test_register_option_by_issue_bound_cost():
+    """The INT4 kernel's register cap: 16 programs an SM (128 registers, chunks 6 % slower) only where
+    12 would leave a part-full last wave."""
+    def cost(batch, ctx, resident, chunk_time):
+        s = num_splits(batch, 8, ctx, 132, resident, 16)
+        return chunk_time * slot_cost(batch, 8, ctx, 132, resident, s)
+    assert cost(256, 1025, 16, 1.06) < cost(256, 1025, 12, 1.0)  # 2,048 pairs: one wave of 16 a SM
+    for batch, ctx in [(64, 4097), (16, 16385), (8, 32769)]:  # full waves of 12 a SM already
+        assert cost(batch, ctx, 12, 1.0) < cost(batch, ctx, 16, 1.06)
 
 
 # ----------------------------------------------------------------------------- GPU (H200)

@@ -10,9 +10,11 @@ tensor cores take subnormal inputs exactly); q . cm is one more MMA over the cod
 rows are all the same, against q.
 Values (per token t and 32-channel group: v = n s_t + m_t): the thread's channels lie in one group,
 so n s_t comes out of one fma a pair ((1024 + n) s - 1024 s, from the fp16 bit trick), in units of
-a per-page power of two F that keeps s near 1/8 (F's changes ride on the softmax rescale); the m
-part, m_step sum_t p_t cm_t + m_base sum_t p_t, is one small MMA over the code bytes (exact
-integers) and a running sum per head, both fp32, added to the output at the end.
+a per-page power of two F that keeps s near 1/8 (F's changes ride on the softmax rescale, as a
+difference of exponent fields); the codes of a token pair come in one 16-byte load and two byte
+permutes. The m part, m_step sum_t p_t cm_t + m_base sum_t p_t, is one small MMA over the code
+bytes (exact integers) whose rows 8-15 are ones, so it yields the softmax sum sum_t p_t too (no
+shuffles); fp32 accumulators, added to the output at the end.
 
 Fragments, layouts and the PTX: `int4_fragments.py`. Splits, the fused split reduction, the
 residual tail (full precision, one masked chunk) and the new token as in `decode_direct.py`. SASS,
@@ -36,11 +38,15 @@ if HAVE_GLUON:
 
     from kvmesh.kernels.int4_fragments import (b_operand, code_pairs, k_nibbles, logical_k, logical_k_fp16,
                                                m_codes_operand, pack_f16x2, pair_words, q_pairs, rows_twice,
-                                               scaled_code_pairs, v_nibbles, v_words_layout, words_layout)
+                                               row_halves, rows_joined, scaled_code_pairs, v_code_pairs, v_codes_layout, v_nibbles, v_words_layout,
+                                               words_layout)
     from kvmesh.kernels.split_partials import store_output
     from kvmesh.kernels.mma_fragments import A_OP, B_OP, CHUNK_C, MMA, halves, tail_rows, to_fp16, v_layout, v_operand
 
 MAXNREG = 168  # 12 one-warp programs per SM
+# or 16 at 128 registers, with a few spills (chunks 6 % slower, H200): taken where a launch of 12 a SM
+# would leave a part-full last wave (256 x 1,024: 2.00 against 1.83x SDPA)
+REGISTER_OPTIONS = ((MAXNREG, 1.0), (128, 1.06))
 
 
 def supports(q: torch.Tensor, residual_dtype: torch.dtype, group: int, head_dim: int, block_size: int) -> bool:
@@ -65,10 +71,10 @@ if HAVE_GLUON:
     def _load_chunk(pool_ptr, bt_row, chunk, page_stride, layer_off, ko, vo, co, so, rec,
                     BS: gl.constexpr, D: gl.constexpr):
         """One 16-token chunk's words: K [16, D/8], V [16, D/8], K s and m codes [8, D/4] (both B-side
-        layout), V s and m codes [8, 8] x 2 each (token pairs, lane g's group), the page's K and V
-        headers (uint64 each). ko / vo / co (32-bit words) and so (bytes): the loop-invariant
-        offsets of the thread's elements inside a page's layer region, rec: the head's K record
-        there; one 64-bit page pointer a chunk, so each load costs one address at most."""
+        layout), the V code words [8 tp, 8 g, 4] (v_codes_layout), the page's K and V headers (uint64
+        each). ko / vo / co / so (32-bit words): the loop-invariant offsets of the thread's elements
+        inside a page's layer region, rec: the head's K record there (bytes); one 64-bit page
+        pointer a chunk, so each load costs one address at most."""
         CPP: gl.constexpr = BS // CHUNK_C
         NG: gl.constexpr = D // 32
         page = gl.maximum(gl.load(bt_row + chunk // CPP), 0).to(gl.int64)  # -1 (never read) -> 0
@@ -78,24 +84,55 @@ if HAVE_GLUON:
             r = (chunk % CPP) * CHUNK_C
             kw = gl.load(p32 + (ko + r * (D // 8)))
             vw = gl.load(p32 + (vo + r * (D // 8)))
-            so = so + r * (2 * NG)
+            so = so + r * (NG // 2)
         else:
             kw = gl.load(p32 + ko)
             vw = gl.load(p32 + vo)
         cs = gl.load(p32 + co)
         cm = gl.load(p32 + (co + D // 4))
-        vsa = gl.load(pb + so)
-        vsb = gl.load(pb + (so + 2 * NG))
-        vma = gl.load(pb + (so + NG))
-        vmb = gl.load(pb + (so + 3 * NG))
+        vc = gl.load(p32 + so)
         p64 = pb.to(gl.pointer_type(gl.uint64), bitcast=True)
-        return kw, vw, cs, cm, vsa, vsb, vma, vmb, gl.load(p64 + rec // 8), gl.load(p64 + rec // 8 + 1)
+        return kw, vw, cs, cm, vc, gl.load(p64 + rec // 8), gl.load(p64 + rec // 8 + 1)
 
     @gluon.jit
-    def _chunk(acc, accm, mb, m_i, l_i, f_cur, ql, qh, sq, neg1024, kw, vw, cs, cm, vsa, vsb, vma, vmb, hk, hv,
+    def _chunk_lines(kvh, V_OFF: gl.constexpr, KS_OFF: gl.constexpr, VS_OFF: gl.constexpr, BS: gl.constexpr,
+                     D: gl.constexpr):
+        """Byte offsets, inside a page's layer region, of every 128-byte line the first chunk of head
+        kvh's page touches (K and V rows, the K record, the V codes: one lane a line, the rest repeat
+        the first), and how far each moves with the chunk's first row (bytes a row)."""
+        NK: gl.constexpr = 8 * D // 128 + 1  # a chunk's K (or V) rows: 8 D bytes, not line-aligned
+        RB: gl.constexpr = HEADER + 2 * D  # the K record
+        NR: gl.constexpr = (RB + 127) // 128 + 1
+        NC: gl.constexpr = (D + 127) // 128 + 1  # the V codes of 16 tokens: D bytes
+        NL: gl.constexpr = 32 if 2 * NK + NR + NC <= 32 else 64
+        i = gl.arange(0, NL, layout=gl.BlockedLayout([NL // 32], [32], [1], [0]))
+        k0 = kvh * BS * (D // 2)
+        off = gl.where(i < NK, k0 + gl.minimum(128 * i, 8 * D - 1), k0)
+        off = gl.where((i >= NK) & (i < 2 * NK), V_OFF + k0 + gl.minimum(128 * (i - NK), 8 * D - 1), off)
+        j = i - 2 * NK
+        off = gl.where((j >= 0) & (j < NR), KS_OFF + kvh * RB + gl.minimum(128 * j, RB - 1), off)
+        j = j - NR
+        off = gl.where((j >= 0) & (j < NC), VS_OFF + kvh * BS * (D // 16) + gl.minimum(128 * j, D - 1), off)
+        per_row = gl.where(i < 2 * NK, D // 2, gl.where(j >= 0, D // 16, 0))
+        return off, per_row
+
+    @gluon.jit
+    def _prefetch_l2(pool_ptr, page, chunk, lines, per_row, page_stride, layer_off, BS: gl.constexpr):
+        """Asks L2 for every line of a chunk (one prefetch.global.L2 a lane), two chunks ahead of its
+        loads, so they find it there."""
+        CPP: gl.constexpr = BS // CHUNK_C
+        pb = pool_ptr + (gl.maximum(page, 0).to(gl.int64) * page_stride + layer_off)
+        if CPP > 1:
+            lines = lines + (chunk % CPP) * CHUNK_C * per_row
+        gl.inline_asm_elementwise(asm="prefetch.global.L2 [$1]; mov.u32 $0, 0;", constraints="=r,l",
+                                  args=[pb + lines], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _chunk(acc, accm, mb, m_i, l_i, e_cur, ql, qh, sq, neg1024, kw, vw, cs, cm, vc, sel_s, sel_m, hk, hv,
                qk_scale, D: gl.constexpr, MAGIC: gl.constexpr):
         """One 16-token chunk of full pages: scores, online softmax, V into acc (units of the page's
-        F), the V m part into accm / mb. Returns the updated state."""
+        F; e_cur: the exponent field of the s_step F was taken from), the V m part into accm / mb
+        ([8 g, 8 heads]; mb and l_i: every row alike). Returns the updated state."""
         zero = gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA)
         k_mb, k_ms, k_ss = _header(hk)
         v_mb, v_ms, v_ss = _header(hv)
@@ -115,20 +152,20 @@ if HAVE_GLUON:
         m_new = gl.maximum(m_i, gl.max(st, axis=0))
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(st - m_new[None, :])
-        sp = gl.sum(p, axis=0)
-        l_i = l_i * alpha + sp
-        mb = mb * alpha + sp * v_mb
         pt = gl.convert_layout(p.to(gl.float16), B_OP)
-        # values: F = 2**(-3 - exponent of s_step) keeps the scale pairs below 64 (1024 s fits fp16)
-        f_new = ((251 - ((v_ss.to(gl.int32, bitcast=True) >> 23) & 0xFF)) << 23).to(gl.float32, bitcast=True)
-        acc = acc * (alpha * (f_new / f_cur))[None, :]
-        accm = accm * alpha[None, :]
-        vsf = v_ss * f_new
-        s2 = pack_f16x2(vsa.to(gl.float32) * vsf, vsb.to(gl.float32) * vsf)  # [8 tp, 8 g]: true scale x F
+        # values: F = 2**(-3 - exponent of s_step) keeps the scale pairs below 64 (1024 s fits fp16);
+        # F's are powers of two, so their ratio is a difference of exponent fields (no division)
+        e_new = (v_ss.to(gl.int32, bitcast=True) >> 23) & 0xFF
+        acc = acc * (alpha * ((e_cur - e_new + 127) << 23).to(gl.float32, bitcast=True))[None, :]
+        vsf = v_ss * ((251 - e_new) << 23).to(gl.float32, bitcast=True) + gl.zeros_like(sel_s).to(gl.float32)
+        s2, m2 = v_code_pairs(vc, sel_s, sel_m, vsf)  # [8 tp, 8 g]: true scale x F; the m codes
         acc = mma_v2(v_nibbles(vw, s2, D), pt, acc)
-        mm = mma_v2(m_codes_operand(vma, vmb), pt, zero)  # sum_t p_t cm_t of each lane's group
-        accm = accm + mm * v_ms
-        return acc, accm, mb, m_new, l_i, f_new
+        mm, sp = row_halves(mma_v2(m_codes_operand(m2), pt, zero))  # sum_t p_t cm_t (lane g's group), sum p
+        alpha8 = gl.convert_layout(alpha, gl.SliceLayout(0, sp.type.layout), assert_trivial=True)[None, :]
+        accm = accm * alpha8 + mm * v_ms
+        l_i = l_i * alpha8 + sp
+        mb = mb * alpha8 + sp * v_mb
+        return acc, accm, mb, m_new, l_i, e_new
 
     @gluon.jit(do_not_specialize=["num_splits"])
     def decode_int4_direct_kernel(
@@ -155,14 +192,13 @@ if HAVE_GLUON:
         KVH: gl.constexpr, G: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, PARTIAL: gl.constexpr,
         FUSED: gl.constexpr, BF16: gl.constexpr,
         MAGIC: gl.constexpr,  # key nibbles as 1024 + n (normal fp16) instead of subnormals
+        L2PF: gl.constexpr,  # ask L2 for chunk c + 2 while chunk c + 1 loads
         RMAX: gl.constexpr = 4,  # FUSED: partials the reduction unrolls over (a power of two >= splits)
     ):
         LKW: gl.constexpr = words_layout(D // 8, 16)
         LVW: gl.constexpr = v_words_layout(D)
         LCB: gl.constexpr = words_layout(D // 4, 8)
         LQ: gl.constexpr = words_layout(D, 16)
-        LM: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[4, 0]], lane_bases=[[1, 0], [2, 0], [0, 1], [0, 2],
-                                                      [0, 4]], warp_bases=[], block_bases=[], shape=[8, 8])
         HL: gl.constexpr = gl.SliceLayout(0, MMA)  # [8] per query head of the group
         TL: gl.constexpr = gl.SliceLayout(1, MMA)  # [16] per token of a chunk
         b = gl.program_id(0)
@@ -175,8 +211,10 @@ if HAVE_GLUON:
         wv = gl.arange(0, D // 8, layout=gl.SliceLayout(0, LVW))
         rc = gl.arange(0, 8, layout=gl.SliceLayout(1, LCB))
         wc = gl.arange(0, D // 4, layout=gl.SliceLayout(0, LCB))
-        tp = gl.arange(0, 8, layout=gl.SliceLayout(1, LM))
-        gm = gl.arange(0, 8, layout=gl.SliceLayout(0, LM))
+        LVC: gl.constexpr = v_codes_layout()
+        tp = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, LVC)))
+        gm = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, LVC)))
+        kc = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LVC)))
         tq = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, LQ))
         cq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))
 
@@ -202,11 +240,10 @@ if HAVE_GLUON:
         neg1024 = gl.full([CHUNK_C, D], -1024.0, gl.float16, layout=A_OP)  # (MAGIC)
 
         acc = gl.zeros([D, 8], gl.float32, layout=MMA)  # O^T of the n s part, x F
-        accm = gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA)  # m_step sum p cm, lane g's group
-        mb = gl.zeros([8], gl.float32, layout=HL)  # m_base sum p
+        accm, l_i = row_halves(gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA))  # [8 g, 8]: m_step sum p cm
+        mb = gl.zeros_like(l_i)  # m_base sum p (l_i: sum p; every row alike)
         m_i = gl.full([8], -1.0e30, gl.float32, layout=HL)
-        l_i = gl.zeros([8], gl.float32, layout=HL)
-        f_cur = prefix.to(gl.float32) * 0.0 + 1.0  # the current page's F (a tensor: loop-carried)
+        e_cur = prefix * 0 + 124  # the exponent field whose F is 1 (a tensor: loop-carried)
 
         n_chunks = prefix // BS * (BS // CHUNK_C)
         per_split = gl.cdiv(n_chunks, num_splits)
@@ -219,17 +256,39 @@ if HAVE_GLUON:
         ko = ((kvh * BS + tk) * (D // 8))[:, None] + wk[None, :]
         vo = V_OFF // 4 + ((kvh * BS + tv) * (D // 8))[:, None] + wv[None, :]
         co = (rec + HEADER) // 4 + (rc * 0)[:, None] + wc[None, :]
-        so = VS_OFF + kvh * BS * 2 * NG + (2 * tp * (2 * NG))[:, None] + (gm * D // 256)[None, :]
-        kw, vw, cs, cm, vsa, vsb, vma, vmb, hk, hv = _load_chunk(
+        # V codes: word (k NG + group) / 4 of the token pair holds code k (s, m of 2tp, then of 2tp + 1)
+        grp = (gm * D // 256)[None, :, None]  # lane g's 32-channel group
+        if NG == 4:  # the token pair's 4 words are the codes in order: one 16-byte load
+            code_word = kc[None, None, :] + grp * 0
+        else:
+            code_word = (kc[None, None, :] * NG + grp) // 4
+        so = (VS_OFF + kvh * BS * 2 * NG) // 4 + (tp * NG)[:, None, None] + code_word
+        byte = ((kc * NG)[None, None, :] + grp) % 4  # [1, 8, 4]: the code's byte in its word
+        byte = gl.reshape(byte + gl.zeros([8, 8, 4], gl.int32, layout=LVC), [8, 8, 2, 2])
+        b_s, b_m = gl.split(byte)
+        sa, sb = gl.split(b_s)
+        ma, mb_ = gl.split(b_m)
+        sel_s = (sa + (4 + sb) * 16).to(gl.uint32)  # prmt selectors: token 2tp's byte, then 2tp + 1's
+        sel_m = (ma + (4 + mb_) * 16).to(gl.uint32)
+        kw, vw, cs, cm, vc, hk, hv = _load_chunk(
             pool_ptr, bt_row, gl.minimum(lo, gl.maximum(n_chunks - 1, 0)), page_stride, layer_off, ko, vo, co, so, rec,
             BS, D)
+        if L2PF:  # the page of chunk c + 2 is read one iteration ahead, so the prefetch never waits on it
+            lines, per_row = _chunk_lines(kvh, V_OFF, KS_OFF, VS_OFF, BS, D)
+            pf_page = gl.load(bt_row + gl.minimum(lo + 2, gl.maximum(hi - 1, 0)) // (BS // CHUNK_C))
         for c in range(lo, hi):
+            if L2PF:
+                _prefetch_l2(pool_ptr, pf_page, gl.minimum(c + 2, hi - 1), lines, per_row, page_stride, layer_off, BS)
+                pf_page = gl.load(bt_row + gl.minimum(c + 3, hi - 1) // (BS // CHUNK_C))
             nxt = _load_chunk(pool_ptr, bt_row, gl.minimum(c + 1, hi - 1), page_stride, layer_off, ko, vo, co, so, rec,
                               BS, D)
-            acc, accm, mb, m_i, l_i, f_cur = _chunk(acc, accm, mb, m_i, l_i, f_cur, ql, qh, sq, neg1024, kw, vw,
-                                                     cs, cm, vsa, vsb, vma, vmb, hk, hv, qk_scale, D, MAGIC)
-            kw, vw, cs, cm, vsa, vsb, vma, vmb, hk, hv = nxt
-        acc = acc * (1.0 / f_cur)
+            acc, accm, mb, m_i, l_i, e_cur = _chunk(acc, accm, mb, m_i, l_i, e_cur, ql, qh, sq, neg1024, kw, vw,
+                                                     cs, cm, vc, sel_s, sel_m, hk, hv, qk_scale, D, MAGIC)
+            kw, vw, cs, cm, vc, hk, hv = nxt
+        acc = acc * ((e_cur + 3) << 23).to(gl.float32, bitcast=True)  # 1 / F
+        accm = gl.convert_layout(rows_joined(accm, accm), MMA, assert_trivial=True)  # lane g's group in rows g, g + 8
+        l_i = gl.convert_layout(gl.max(l_i, axis=0), HL)
+        mb = gl.convert_layout(gl.max(mb, axis=0), HL)
 
         # the last split: residual tail (prefix % BS tokens, full precision) and the new token, masked
         if split == num_splits - 1:
@@ -275,12 +334,15 @@ if HAVE_GLUON:
 
 def decode_int4_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float, *,
                        splits: int | None = None, fused: bool | None = None,
-                       maxnreg: int | None = -1, magic: bool = False) -> torch.Tensor:
+                       maxnreg: int | None = -1, magic: bool = False,
+                       l2_prefetch: bool = False) -> torch.Tensor:
     """out [B, H, D] for q [B, H, D] fp16 or bf16 (one new token per sequence; k/v [B, KVH, D] its new
     K/V) over int4 pages; `supports` must hold and the caller has checked the arguments. `splits`
     overrides the split count, `fused` whether the last split reduces (None: up to
-    FUSED_MAX_SPLITS), `maxnreg` the register cap (-1: MAXNREG up to head_dim 128, None: none)."""
+    FUSED_MAX_SPLITS), `maxnreg` the register cap (-1: REGISTER_OPTIONS up to head_dim 128, the
+    cheaper for the shape; None: none)."""
     if maxnreg == -1:
-        maxnreg = MAXNREG if q.shape[2] <= 128 else None  # head_dim 256 spills under the cap
+        maxnreg = REGISTER_OPTIONS if q.shape[2] <= 128 else None  # head_dim 256 spills under the caps
     return launch_direct(decode_int4_direct_kernel, "int4-direct", cache, layer, q, k, v, meta, scale,
-                         splits=splits, fused=fused, maxnreg=maxnreg, MAGIC=magic)
+                         splits=splits, fused=fused, maxnreg=maxnreg, MAGIC=magic,
+                         L2PF=l2_prefetch)

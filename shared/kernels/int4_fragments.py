@@ -200,6 +200,45 @@ if HAVE_GLUON:
         x = gl.reshape(gl.permute(x, [2, 6, 5, 4, 1, 0, 3]), [D, CHUNK_C])
         return gl.convert_layout(x, A_OP, assert_trivial=True)
 
+    @gluon.constexpr_function
+    def v_codes_layout():
+        """[8 tp, 8 g, 4 k]: a thread holds, of token pair tp (tokens 2tp, 2tp + 1; tp = t and t + 4),
+        the 4 words with its group's codes k = (s, m) of token 2tp, then of 2tp + 1 (lane g's group;
+        one 16-byte load at D = 128, where a token pair's codes are those 4 words)."""
+        return gl.DistributedLinearLayout(reg_bases=[[0, 0, 1], [0, 0, 2], [4, 0, 0]],
+                                          lane_bases=[[1, 0, 0], [2, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+                                          warp_bases=[], block_bases=[], shape=[8, 8, 4])
+
+    @gluon.jit
+    def v_code_pairs(words, sel_s, sel_m, vsf):
+        """The V code words (uint32 [8 tp, 8 g, 4], v_codes_layout), the byte selectors of the s and m
+        codes (uint32 [8 tp, 8 g]: token 2tp's byte, and 4 + token 2tp + 1's) and the V unit s_step x F
+        (fp32 [8 tp, 8 g], all alike) -> (s pairs x F, m pairs) as fp16 pairs in uint32 [8 tp, 8 g]:
+        one byte permute brings a token pair's codes together, one more makes them fp16 1024 + c, an
+        fma (1024 + c) u - 1024 u = c u rounds once (as fp32 c u then rounded to fp16: c u is exact in
+        fp32, u in fp16)."""
+        x = gl.reshape(words, [8, 8, 2, 2])  # [tp, g, token, k]
+        s_pair, m_pair = gl.split(x)  # [tp, g, token] each
+        sa, sb = gl.split(s_pair)
+        ma, mb = gl.split(m_pair)
+        u = pack_f16x2(vsf, vsf)
+        return gl.inline_asm_elementwise(
+            asm="""{ .reg .b32 x, y, n, k; mov.b32 k, 0xE400E400; mul.rn.f16x2 n, $8, k; mov.b32 k, 0x64006400;
+            prmt.b32 x, $2, $3, $6; prmt.b32 x, x, 0x64646464, 0x5140; fma.rn.f16x2 $0, x, $8, n;
+            prmt.b32 y, $4, $5, $7; prmt.b32 y, y, 0x64646464, 0x5140; sub.rn.f16x2 $1, y, k; }""",
+            constraints="=r,=r,r,r,r,r,r,r,r", args=[sa, sb, ma, mb, sel_s, sel_m, u],
+            dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
+
+    @gluon.jit
+    def row_halves(x):
+        """[16, 8] (MMA layout) -> rows 0-7 and rows 8-15 as [8, 8] each (registers renamed only)."""
+        return gl.split(gl.permute(gl.reshape(x, [2, 8, 8]), [1, 2, 0]))
+
+    @gluon.jit
+    def rows_joined(lo, hi):
+        """The inverse of `row_halves`: [8, 8] x 2 -> [16, 8] (rows of lo first)."""
+        return gl.reshape(gl.permute(gl.join(lo, hi), [2, 0, 1]), [2 * lo.shape[0], lo.shape[1]])
+
     @gluon.jit
     def token_pairs(x):
         """[16 tokens, N] (v_words_layout's token order) -> tokens (2 tp, 2 tp + 1) as [8, N] each."""
@@ -212,14 +251,12 @@ if HAVE_GLUON:
                                          args=[lo, hi], dtype=gl.uint32, is_pure=True, pack=1)
 
     @gluon.jit
-    def m_codes_operand(ca, cb):
-        """V m codes of the thread's group, uint32 [8 tp, 8 g] per token pair -> the A operand [16
-        rows, 16 tokens] of sum_t p_t cm_t: rows g and g + 8 hold lane g's group (exact integers)."""
-        x = gl.inline_asm_elementwise(
-            asm="""{ .reg .b32 x, m; mov.b32 m, 0x64006400; prmt.b32 x, $1, $2, 0x5410; or.b32 x, x, m;
-            sub.rn.f16x2 $0, x, m; }""",
-            constraints="=r,r,r", args=[ca.to(gl.uint32), cb.to(gl.uint32)], dtype=gl.uint32, is_pure=True, pack=1)
-        x = _u32_pairs(x)  # [tp, g, b0]
-        x = gl.join(x, x)  # [tp, g, b0, row bit 3]
+    def m_codes_operand(pairs):
+        """V m code pairs of the thread's group (uint32 [8 tp, 8 g]: fp16 (c_2tp, c_2tp+1), exact
+        integers, from `v_code_pairs`) -> the A operand [16 rows, 16 tokens] whose product with P^T
+        gives sum_t p_t cm_t of lane g's group in row g and sum_t p_t in rows 8-15 (ones: the
+        softmax sum comes out of the MMA, no shuffles)."""
+        x = _u32_pairs(pairs)  # [tp, g, b0]
+        x = gl.join(x, gl.full(x.shape, 1.0, gl.float16, layout=x.type.layout))  # [tp, g, b0, row bit 3]
         x = gl.reshape(gl.permute(x, [3, 1, 0, 2]), [CHUNK_C, CHUNK_C])
         return gl.convert_layout(x, A_OP, assert_trivial=True)

@@ -9,7 +9,7 @@ import torch
 
 from kvmesh.kernels.mma_fragments import CHUNK, HAVE_GLUON
 from kvmesh.kernels.paged_attention import LOG2E
-from kvmesh.kernels.splits import COUNTERS, launch_split, num_sms, num_splits, resident_of
+from kvmesh.kernels.splits import COUNTERS, launch_split, num_sms, num_splits, resident_of, slot_cost
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -80,12 +80,13 @@ FUSED_MAX_SPLITS = 4  # one warp reducing 16 splits' partials cost more than the
 
 
 def launch_direct(kernel, tag: str, cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta,
-                  scale: float, *, splits: int | None, fused: bool | None, maxnreg: int | None,
+                  scale: float, *, splits: int | None, fused: bool | None, maxnreg,
                   **consts) -> torch.Tensor:
     """out [B, H, D] from a register-direct decode kernel (one warp a program) over the cache's pages:
     its common arguments, `consts` the kernel's own; `splits` None: from shapes and the compiled
     kernel's residency (read once per variant, `tag`); `fused` None: the last split reduces up to
-    FUSED_MAX_SPLITS splits; `maxnreg` None: no register cap."""
+    FUSED_MAX_SPLITS splits; `maxnreg` None: no register cap; a tuple of (cap, relative chunk
+    time) options: the one of least `slot_cost` for this launch's shape (from shapes only)."""
     L = cache.layout
     B, H, D = q.shape
     G = H // L.kv_heads
@@ -105,10 +106,17 @@ def launch_direct(kernel, tag: str, cache, layer: int, q: torch.Tensor, k: torch
         slot_stride=res.stride(0), res_layer_off=layer * res.stride(1), qk_scale=scale * LOG2E, g_rows=G,
         V_OFF=L.v_data_offset, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset, KVH=L.kv_heads, G=G,
         BS=L.block_size, D=D, FUSED=counters is not None, BF16=q.dtype == torch.bfloat16, num_warps=1,
-        **consts, **({} if maxnreg is None else {"maxnreg": maxnreg}))
-    if splits is None:
-        resident = resident_of(tag, kernel, args, q.device)
-        splits = num_splits(B, L.kv_heads, meta.max_prefix_len + 1, num_sms(q.device), resident, CHUNK)
+        **consts)
+    ctx, sms = meta.max_prefix_len + 1, num_sms(q.device)
+    best = None
+    for cap, chunk_time in maxnreg if isinstance(maxnreg, tuple) else ((maxnreg, 1.0),):
+        option = {**args, **({} if cap is None else {"maxnreg": cap})}
+        resident = resident_of(tag, kernel, option, q.device)
+        n = splits or num_splits(B, L.kv_heads, ctx, sms, resident, CHUNK)
+        cost = chunk_time * slot_cost(B, L.kv_heads, ctx, sms, resident, n)
+        if best is None or cost < best[0]:
+            best = (cost, option, n)
+    _, args, splits = best
     if fused is None and args["FUSED"]:
         args["FUSED"] = splits <= FUSED_MAX_SPLITS
     args["RMAX"] = max(FUSED_MAX_SPLITS, 1 << (splits - 1).bit_length())  # a power of two >= splits

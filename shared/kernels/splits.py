@@ -13,6 +13,7 @@ MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the para
 PROGRAM_COST_TOKENS = 128  # a program's fixed cost (prologue, tail, partial write) in tokens read
 MAX_SPLITS = 64
 REGS_PER_SM = 65536
+SM_QUARTERS = 4  # an SM's schedulers, each with a quarter of the register file
 
 
 def num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int,
@@ -32,12 +33,21 @@ def num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int,
 
 def resident_programs(n_regs: int, shared: int, num_warps: int, smem_per_sm: int) -> int:
     """Programs of a compiled kernel that fit on one SM at once (registers are allocated per warp in
-    units of 256, each program reserves 1 KB of shared memory beside its own)."""
+    units of 256 from the register file of the warp's quarter of the SM, so 144 registers a thread
+    hold 3 warps a quarter, 12 an SM, as 168 do; each program reserves 1 KB of shared memory beside
+    its own)."""
     regs_per_warp = -(-n_regs * 32 // 256) * 256
-    by_regs = REGS_PER_SM // max(1, regs_per_warp * num_warps)
+    by_regs = SM_QUARTERS * (REGS_PER_SM // SM_QUARTERS // max(1, regs_per_warp)) // num_warps
     by_smem = smem_per_sm // (shared + 1024)
     by_threads = 2048 // (32 * num_warps)
     return max(1, min(by_regs, by_smem, by_threads, 32))
+
+
+def slot_cost(batch: int, kv_heads: int, max_context: int, num_sms: int, resident: int, splits: int) -> float:
+    """Time of a decode launch bound by instruction issue (register-direct INT4), in token-times of
+    one program alone: its waves, each as long as `resident` programs sharing an SM take."""
+    waves = -(-batch * kv_heads * splits // max(1, num_sms * resident))
+    return waves * resident * (max_context / splits + PROGRAM_COST_TOKENS)
 
 
 def num_sms(device: torch.device) -> int:
