@@ -16,9 +16,14 @@ permutes. The m part, m_step sum_t p_t cm_t + m_base sum_t p_t, is one small MMA
 bytes (exact integers) whose rows 8-15 are ones, so it yields the softmax sum sum_t p_t too (no
 shuffles); fp32 accumulators, added to the output at the end.
 
+Loads: the next chunk's keys are issued once this chunk's scores are done and its values once its
+values are, into the registers just freed (a whole chunk ahead they need a second set, and ptxas
+copies every word once a chunk); L2 is asked for the chunk after that (one prefetch a lane), so
+those loads find it there.
+
 Fragments, layouts and the PTX: `int4_fragments.py`. Splits, the fused split reduction, the
 residual tail (full precision, one masked chunk) and the new token as in `decode_direct.py`. SASS,
-timings and every variant measured: docs/decode_direct.md, "INT4" (1.74-1.97x SDPA on the H200).
+timings and every variant measured: docs/decode_direct.md, "INT4" (2.15-2.20x SDPA on the H200).
 """
 from __future__ import annotations
 
@@ -68,31 +73,38 @@ if HAVE_GLUON:
         return m_base, m_step, s_step
 
     @gluon.jit
-    def _load_chunk(pool_ptr, bt_row, chunk, page_stride, layer_off, ko, vo, co, so, rec,
-                    BS: gl.constexpr, D: gl.constexpr):
-        """One 16-token chunk's words: K [16, D/8], V [16, D/8], K s and m codes [8, D/4] (both B-side
-        layout), the V code words [8 tp, 8 g, 4] (v_codes_layout), the page's K and V headers (uint64
-        each). ko / vo / co / so (32-bit words): the loop-invariant offsets of the thread's elements
-        inside a page's layer region, rec: the head's K record there (bytes); one 64-bit page
-        pointer a chunk, so each load costs one address at most."""
-        CPP: gl.constexpr = BS // CHUNK_C
-        NG: gl.constexpr = D // 32
-        page = gl.maximum(gl.load(bt_row + chunk // CPP), 0).to(gl.int64)  # -1 (never read) -> 0
-        pb = pool_ptr + (page * page_stride + layer_off)
+    def _page_base(pool_ptr, page, page_stride, layer_off):
+        """The byte address of a page's layer region (page -1, never read, -> 0): one 64-bit pointer a
+        chunk, so each load costs one address at most."""
+        return pool_ptr + (gl.maximum(page, 0).to(gl.int64) * page_stride + layer_off)
+
+    @gluon.jit
+    def _load_keys(pb, chunk, ko, co, rec, BS: gl.constexpr, D: gl.constexpr):
+        """A chunk's key words: K [16, D/8], the K s and m codes [8, D/4] (B-side layout), the page's K
+        header (uint64); ko / co: the loop-invariant word offsets of the thread's elements inside a
+        page's layer region, rec: the head's K record there (bytes)."""
         p32 = pb.to(gl.pointer_type(gl.uint32), bitcast=True)
-        if CPP > 1:  # the chunk's rows inside the page
-            r = (chunk % CPP) * CHUNK_C
-            kw = gl.load(p32 + (ko + r * (D // 8)))
-            vw = gl.load(p32 + (vo + r * (D // 8)))
-            so = so + r * (NG // 2)
+        if BS // CHUNK_C > 1:  # the chunk's rows inside the page
+            kw = gl.load(p32 + (ko + (chunk % (BS // CHUNK_C)) * CHUNK_C * (D // 8)))
         else:
             kw = gl.load(p32 + ko)
-            vw = gl.load(p32 + vo)
-        cs = gl.load(p32 + co)
-        cm = gl.load(p32 + (co + D // 4))
-        vc = gl.load(p32 + so)
         p64 = pb.to(gl.pointer_type(gl.uint64), bitcast=True)
-        return kw, vw, cs, cm, vc, gl.load(p64 + rec // 8), gl.load(p64 + rec // 8 + 1)
+        return kw, gl.load(p32 + co), gl.load(p32 + (co + D // 4)), gl.load(p64 + rec // 8)
+
+    @gluon.jit
+    def _load_values(pb, chunk, vo, so, rec, BS: gl.constexpr, D: gl.constexpr):
+        """A chunk's value words: V [16, D/8], the V code words [8 tp, 8 g, 4] (v_codes_layout), the
+        page's V header (uint64); vo / so: word offsets as in `_load_keys`."""
+        p32 = pb.to(gl.pointer_type(gl.uint32), bitcast=True)
+        if BS // CHUNK_C > 1:
+            r = (chunk % (BS // CHUNK_C)) * CHUNK_C
+            vw = gl.load(p32 + (vo + r * (D // 8)))
+            vc = gl.load(p32 + (so + r * (D // 64)))
+        else:
+            vw = gl.load(p32 + vo)
+            vc = gl.load(p32 + so)
+        p64 = pb.to(gl.pointer_type(gl.uint64), bitcast=True)
+        return vw, vc, gl.load(p64 + rec // 8 + 1)
 
     @gluon.jit
     def _chunk_lines(kvh, V_OFF: gl.constexpr, KS_OFF: gl.constexpr, VS_OFF: gl.constexpr, BS: gl.constexpr,
@@ -128,14 +140,30 @@ if HAVE_GLUON:
                                   args=[pb + lines], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _chunk(acc, accm, mb, m_i, l_i, e_cur, ql, qh, sq, neg1024, kw, vw, cs, cm, vc, sel_s, sel_m, hk, hv,
-               qk_scale, D: gl.constexpr, MAGIC: gl.constexpr):
-        """One 16-token chunk of full pages: scores, online softmax, V into acc (units of the page's
-        F; e_cur: the exponent field of the s_step F was taken from), the V m part into accm / mb
-        ([8 g, 8 heads]; mb and l_i: every row alike). Returns the updated state."""
+    def _rescale(acc, accm, mb, l_i, alpha, e_cur, e_new):
+        """The state in units of a new max (alpha = 2**(old max - new)) and a new F (from exponent
+        field e_cur to e_new: a power of two, no division)."""
+        acc = acc * (alpha * ((e_cur - e_new + 127) << 23).to(gl.float32, bitcast=True))[None, :]
+        alpha8 = gl.convert_layout(alpha, gl.SliceLayout(0, l_i.type.layout), assert_trivial=True)[None, :]
+        return acc, accm * alpha8, mb * alpha8, l_i * alpha8
+
+    @gluon.jit
+    def _values(acc, accm, mb, l_i, st, m_i, e_cur, vw, vc, sel_s, sel_m, v_ss, v_ms, v_mb, D: gl.constexpr):
+        """p = 2**(st - m_i) and the chunk's values into the state: V^T P^T into acc (units of F, from
+        exponent field e_cur), the m codes' MMA into accm and, through its ones, sum p into l_i and
+        m_base sum p into mb."""
+        pt = gl.convert_layout(gl.exp2(st - m_i[None, :]).to(gl.float16), B_OP)
+        vsf = v_ss * ((251 - e_cur) << 23).to(gl.float32, bitcast=True) + gl.zeros_like(sel_s).to(gl.float32)
+        s2, m2 = v_code_pairs(vc, sel_s, sel_m, vsf)  # [8 tp, 8 g]: true scale x F; the m codes
+        acc = mma_v2(v_nibbles(vw, s2, D), pt, acc)
+        mm, sp = row_halves(mma_v2(m_codes_operand(m2), pt, gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA)))
+        return acc, accm + mm * v_ms, mb + sp * v_mb, l_i + sp
+
+    @gluon.jit
+    def _scores(ql, qh, sq, neg1024, kw, cs, cm, hk, qk_scale, D: gl.constexpr, MAGIC: gl.constexpr):
+        """S^T [16 tokens, 8 heads] of a chunk of full pages, in log2 units."""
         zero = gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA)
         k_mb, k_ms, k_ss = _header(hk)
-        v_mb, v_ms, v_ss = _header(hv)
         # keys: qs = q' * cs / 256 (two instructions a pair), subnormal nibbles; q . cm against q'
         qs_op = b_operand(logical_k(scaled_code_pairs(cs, ql, qh), D), D)
         qp_op = b_operand(logical_k(q_pairs(ql, qh), D), D)
@@ -147,24 +175,22 @@ if HAVE_GLUON:
             k_unit = qk_scale * 4294967296.0 * k_ss
         cm_op = gl.convert_layout(rows_twice(logical_k(code_pairs(cm), D)), A_OP, assert_trivial=True)
         qm = mma_v2(cm_op, qp_op, zero)  # sum q (4 + cm / 256), all rows alike
-        st = (st * k_unit + qm * (qk_scale * 256.0 * k_ms)
-              + sq * (qk_scale * (k_mb - 1024.0 * k_ms)))
-        m_new = gl.maximum(m_i, gl.max(st, axis=0))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(st - m_new[None, :])
-        pt = gl.convert_layout(p.to(gl.float16), B_OP)
+        return (st * k_unit + qm * (qk_scale * 256.0 * k_ms)
+                + sq * (qk_scale * (k_mb - 1024.0 * k_ms)))
+
+    @gluon.jit
+    def _softmax_values(acc, accm, mb, m_i, l_i, e_cur, st, vw, vc, sel_s, sel_m, hv, D: gl.constexpr):
+        """The online softmax of a chunk's scores st and its values into the state: acc in units of
+        the page's F (e_cur: the exponent field of the s_step F was taken from), the V m part into
+        accm / mb ([8 g, 8 heads]; mb and l_i: every row alike). Returns the updated state."""
+        v_mb, v_ms, v_ss = _header(hv)
         # values: F = 2**(-3 - exponent of s_step) keeps the scale pairs below 64 (1024 s fits fp16);
         # F's are powers of two, so their ratio is a difference of exponent fields (no division)
         e_new = (v_ss.to(gl.int32, bitcast=True) >> 23) & 0xFF
-        acc = acc * (alpha * ((e_cur - e_new + 127) << 23).to(gl.float32, bitcast=True))[None, :]
-        vsf = v_ss * ((251 - e_new) << 23).to(gl.float32, bitcast=True) + gl.zeros_like(sel_s).to(gl.float32)
-        s2, m2 = v_code_pairs(vc, sel_s, sel_m, vsf)  # [8 tp, 8 g]: true scale x F; the m codes
-        acc = mma_v2(v_nibbles(vw, s2, D), pt, acc)
-        mm, sp = row_halves(mma_v2(m_codes_operand(m2), pt, zero))  # sum_t p_t cm_t (lane g's group), sum p
-        alpha8 = gl.convert_layout(alpha, gl.SliceLayout(0, sp.type.layout), assert_trivial=True)[None, :]
-        accm = accm * alpha8 + mm * v_ms
-        l_i = l_i * alpha8 + sp
-        mb = mb * alpha8 + sp * v_mb
+        m_new = gl.maximum(m_i, gl.max(st, axis=0))
+        acc, accm, mb, l_i = _rescale(acc, accm, mb, l_i, gl.exp2(m_i - m_new), e_cur, e_new)
+        acc, accm, mb, l_i = _values(acc, accm, mb, l_i, st, m_new, e_new, vw, vc, sel_s, sel_m, v_ss, v_ms, v_mb,
+                                     D)
         return acc, accm, mb, m_new, l_i, e_new
 
     @gluon.jit(do_not_specialize=["num_splits"])
@@ -270,21 +296,31 @@ if HAVE_GLUON:
         ma, mb_ = gl.split(b_m)
         sel_s = (sa + (4 + sb) * 16).to(gl.uint32)  # prmt selectors: token 2tp's byte, then 2tp + 1's
         sel_m = (ma + (4 + mb_) * 16).to(gl.uint32)
-        kw, vw, cs, cm, vc, hk, hv = _load_chunk(
-            pool_ptr, bt_row, gl.minimum(lo, gl.maximum(n_chunks - 1, 0)), page_stride, layer_off, ko, vo, co, so, rec,
-            BS, D)
-        if L2PF:  # the page of chunk c + 2 is read one iteration ahead, so the prefetch never waits on it
+        # the next chunk's keys load once this chunk's scores are done, its values once its values
+        # are: into the registers just freed (loads issued a whole chunk ahead need a second set, and
+        # ptxas copies every word once a chunk); the pages two chunks ahead are asked of L2 (L2PF)
+        CPP: gl.constexpr = BS // CHUNK_C
+        last = gl.maximum(hi - 1, 0)
+        c0 = gl.minimum(lo, last)
+        pb = _page_base(pool_ptr, gl.load(bt_row + c0 // CPP), page_stride, layer_off)
+        kw, cs, cm, hk = _load_keys(pb, c0, ko, co, rec, BS, D)
+        vw, vc, hv = _load_values(pb, c0, vo, so, rec, BS, D)
+        page1 = gl.load(bt_row + gl.minimum(lo + 1, last) // CPP)
+        page2 = gl.load(bt_row + gl.minimum(lo + 2, last) // CPP)
+        if L2PF:
             lines, per_row = _chunk_lines(kvh, V_OFF, KS_OFF, VS_OFF, BS, D)
-            pf_page = gl.load(bt_row + gl.minimum(lo + 2, gl.maximum(hi - 1, 0)) // (BS // CHUNK_C))
         for c in range(lo, hi):
             if L2PF:
-                _prefetch_l2(pool_ptr, pf_page, gl.minimum(c + 2, hi - 1), lines, per_row, page_stride, layer_off, BS)
-                pf_page = gl.load(bt_row + gl.minimum(c + 3, hi - 1) // (BS // CHUNK_C))
-            nxt = _load_chunk(pool_ptr, bt_row, gl.minimum(c + 1, hi - 1), page_stride, layer_off, ko, vo, co, so, rec,
-                              BS, D)
-            acc, accm, mb, m_i, l_i, e_cur = _chunk(acc, accm, mb, m_i, l_i, e_cur, ql, qh, sq, neg1024, kw, vw,
-                                                     cs, cm, vc, sel_s, sel_m, hk, hv, qk_scale, D, MAGIC)
-            kw, vw, cs, cm, vc, hk, hv = nxt
+                _prefetch_l2(pool_ptr, page2, gl.minimum(c + 2, last), lines, per_row, page_stride, layer_off, BS)
+            page3 = gl.load(bt_row + gl.minimum(c + 3, last) // CPP)
+            pb = _page_base(pool_ptr, page1, page_stride, layer_off)
+            st = _scores(ql, qh, sq, neg1024, kw, cs, cm, hk, qk_scale, D, MAGIC)
+            kw, cs, cm, hk = _load_keys(pb, gl.minimum(c + 1, last), ko, co, rec, BS, D)
+            acc, accm, mb, m_i, l_i, e_cur = _softmax_values(acc, accm, mb, m_i, l_i, e_cur, st, vw, vc, sel_s,
+                                                             sel_m, hv, D)
+            vw, vc, hv = _load_values(pb, gl.minimum(c + 1, last), vo, so, rec, BS, D)
+            page1 = page2
+            page2 = page3
         acc = acc * ((e_cur + 3) << 23).to(gl.float32, bitcast=True)  # 1 / F
         accm = gl.convert_layout(rows_joined(accm, accm), MMA, assert_trivial=True)  # lane g's group in rows g, g + 8
         l_i = gl.convert_layout(gl.max(l_i, axis=0), HL)
@@ -335,7 +371,7 @@ if HAVE_GLUON:
 def decode_int4_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float, *,
                        splits: int | None = None, fused: bool | None = None,
                        maxnreg: int | None = -1, magic: bool = False,
-                       l2_prefetch: bool = False) -> torch.Tensor:
+                       l2_prefetch: bool = True) -> torch.Tensor:
     """out [B, H, D] for q [B, H, D] fp16 or bf16 (one new token per sequence; k/v [B, KVH, D] its new
     K/V) over int4 pages; `supports` must hold and the caller has checked the arguments. `splits`
     overrides the split count, `fused` whether the last split reduces (None: up to
