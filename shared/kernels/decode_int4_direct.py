@@ -45,7 +45,7 @@ if HAVE_GLUON:
                                                m_codes_operand, pack_f16x2, pair_words, q_pairs, rows_twice,
                                                row_halves, rows_joined, scaled_code_pairs, v_code_pairs, v_codes_layout, v_nibbles, v_words_layout,
                                                words_layout)
-    from kvmesh.kernels.split_partials import store_output
+    from kvmesh.kernels.split_partials import chunk_lines, prefetch_l2, store_output
     from kvmesh.kernels.mma_fragments import A_OP, B_OP, CHUNK_C, MMA, halves, tail_rows, to_fp16, v_layout, v_operand
 
 MAXNREG = 168  # 12 one-warp programs per SM
@@ -105,39 +105,6 @@ if HAVE_GLUON:
             vc = gl.load(p32 + so)
         p64 = pb.to(gl.pointer_type(gl.uint64), bitcast=True)
         return vw, vc, gl.load(p64 + rec // 8 + 1)
-
-    @gluon.jit
-    def _chunk_lines(kvh, V_OFF: gl.constexpr, KS_OFF: gl.constexpr, VS_OFF: gl.constexpr, BS: gl.constexpr,
-                     D: gl.constexpr):
-        """Byte offsets, inside a page's layer region, of every 128-byte line the first chunk of head
-        kvh's page touches (K and V rows, the K record, the V codes: one lane a line, the rest repeat
-        the first), and how far each moves with the chunk's first row (bytes a row)."""
-        NK: gl.constexpr = 8 * D // 128 + 1  # a chunk's K (or V) rows: 8 D bytes, not line-aligned
-        RB: gl.constexpr = HEADER + 2 * D  # the K record
-        NR: gl.constexpr = (RB + 127) // 128 + 1
-        NC: gl.constexpr = (D + 127) // 128 + 1  # the V codes of 16 tokens: D bytes
-        NL: gl.constexpr = 32 if 2 * NK + NR + NC <= 32 else 64
-        i = gl.arange(0, NL, layout=gl.BlockedLayout([NL // 32], [32], [1], [0]))
-        k0 = kvh * BS * (D // 2)
-        off = gl.where(i < NK, k0 + gl.minimum(128 * i, 8 * D - 1), k0)
-        off = gl.where((i >= NK) & (i < 2 * NK), V_OFF + k0 + gl.minimum(128 * (i - NK), 8 * D - 1), off)
-        j = i - 2 * NK
-        off = gl.where((j >= 0) & (j < NR), KS_OFF + kvh * RB + gl.minimum(128 * j, RB - 1), off)
-        j = j - NR
-        off = gl.where((j >= 0) & (j < NC), VS_OFF + kvh * BS * (D // 16) + gl.minimum(128 * j, D - 1), off)
-        per_row = gl.where(i < 2 * NK, D // 2, gl.where(j >= 0, D // 16, 0))
-        return off, per_row
-
-    @gluon.jit
-    def _prefetch_l2(pool_ptr, page, chunk, lines, per_row, page_stride, layer_off, BS: gl.constexpr):
-        """Asks L2 for every line of a chunk (one prefetch.global.L2 a lane), two chunks ahead of its
-        loads, so they find it there."""
-        CPP: gl.constexpr = BS // CHUNK_C
-        pb = pool_ptr + (gl.maximum(page, 0).to(gl.int64) * page_stride + layer_off)
-        if CPP > 1:
-            lines = lines + (chunk % CPP) * CHUNK_C * per_row
-        gl.inline_asm_elementwise(asm="prefetch.global.L2 [$1]; mov.u32 $0, 0;", constraints="=r,l",
-                                  args=[pb + lines], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _rescale(acc, accm, mb, l_i, alpha, e_cur, e_new):
@@ -308,10 +275,12 @@ if HAVE_GLUON:
         page1 = gl.load(bt_row + gl.minimum(lo + 1, last) // CPP)
         page2 = gl.load(bt_row + gl.minimum(lo + 2, last) // CPP)
         if L2PF:
-            lines, per_row = _chunk_lines(kvh, V_OFF, KS_OFF, VS_OFF, BS, D)
+            k0 = kvh * BS * (D // 2)  # a chunk's K and V rows (8 D bytes each), the head's K record, V codes
+            lines, per_row = chunk_lines(k0, V_OFF + k0, KS_OFF + kvh * (HEADER + 2 * D), VS_OFF + kvh * BS * (D // 16),
+                                         8 * D, 8 * D, HEADER + 2 * D, D, D // 2, D // 2, 0, D // 16)
         for c in range(lo, hi):
             if L2PF:
-                _prefetch_l2(pool_ptr, page2, gl.minimum(c + 2, last), lines, per_row, page_stride, layer_off, BS)
+                prefetch_l2(pool_ptr, page2, gl.minimum(c + 2, last), lines, per_row, page_stride, layer_off, BS)
             page3 = gl.load(bt_row + gl.minimum(c + 3, last) // CPP)
             pb = _page_base(pool_ptr, page1, page_stride, layer_off)
             st = _scores(ql, qh, sq, neg1024, kw, cs, cm, hk, qk_scale, D, MAGIC)

@@ -15,7 +15,7 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from kvmesh.kernels.mma_fragments import MMA
+    from kvmesh.kernels.mma_fragments import CHUNK_C, MMA
     cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after Triton 3.6
 
     @gluon.jit
@@ -48,6 +48,44 @@ if HAVE_GLUON:
         o = acc / gl.where(wsum > 0.0, wsum, 1.0)[:, None]
         op = out_ptr + b.to(gl.int64) * stride_ob + ((kvh * G + h) * stride_oh)[:, None] + d[None, :]
         gl.store(op, o.to(out_ptr.dtype.element_ty), mask=hm[:, None])
+
+    @gluon.jit
+    def _region_lines(off, i, start, N: gl.constexpr, PER_ROW: gl.constexpr, per_row, first: gl.constexpr):
+        """Lanes first.. first + (N + 127) // 128 of the line table: the 128-byte lines of N bytes at start."""
+        j = i - first
+        here = (j >= 0) & (j < (N + 127) // 128 + 1)
+        off = gl.where(here, start + gl.minimum(128 * j, N - 1), off)
+        return off, gl.where(here, PER_ROW, per_row)
+
+    @gluon.jit
+    def chunk_lines(s0, s1, s2, s3, N0: gl.constexpr, N1: gl.constexpr, N2: gl.constexpr, N3: gl.constexpr,
+                    R0: gl.constexpr, R1: gl.constexpr, R2: gl.constexpr, R3: gl.constexpr):
+        """Byte offsets, inside a page's layer region, of every 128-byte line of four regions a chunk
+        reads (region k: Nk bytes from sk, moving Rk bytes a row with the chunk's first row), one a
+        lane (32 or 64 lines: the rest repeat the first), and the bytes a row of each."""
+        L0: gl.constexpr = (N0 + 127) // 128 + 1
+        L1: gl.constexpr = (N1 + 127) // 128 + 1
+        L2: gl.constexpr = (N2 + 127) // 128 + 1
+        L3: gl.constexpr = (N3 + 127) // 128 + 1
+        NL: gl.constexpr = 32 if L0 + L1 + L2 + L3 <= 32 else 64
+        i = gl.arange(0, NL, layout=gl.BlockedLayout([NL // 32], [32], [1], [0]))
+        off = i * 0 + s0
+        per_row = i * 0
+        off, per_row = _region_lines(off, i, s0, N0, R0, per_row, 0)
+        off, per_row = _region_lines(off, i, s1, N1, R1, per_row, L0)
+        off, per_row = _region_lines(off, i, s2, N2, R2, per_row, L0 + L1)
+        off, per_row = _region_lines(off, i, s3, N3, R3, per_row, L0 + L1 + L2)
+        return off, per_row
+
+    @gluon.jit
+    def prefetch_l2(pool_ptr, page, chunk, lines, per_row, page_stride, layer_off, BS: gl.constexpr):
+        """Asks L2 for every line of a chunk (`chunk_lines`; one prefetch.global.L2 a lane), two chunks
+        ahead of its loads, so they find it there."""
+        pb = pool_ptr + (gl.maximum(page, 0).to(gl.int64) * page_stride + layer_off)
+        if BS // CHUNK_C > 1:
+            lines = lines + (chunk % (BS // CHUNK_C)) * CHUNK_C * per_row
+        gl.inline_asm_elementwise(asm="prefetch.global.L2 [$1]; mov.u32 $0, 0;", constraints="=r,l",
+                                  args=[pb + lines], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def store_output(o, chan, l_i, m_i, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, b, kvh, split,
