@@ -131,6 +131,7 @@ def main() -> None:
     ap.add_argument("--programs-per-sm", default=None, help="split policies, e.g. 0,8 (default: all)")
     ap.add_argument("--tiles-only", action="store_true", help="only the shipped tiles (decode_attention.TILES)")
     ap.add_argument("--block-h", default=None, help="query rows per program to try, e.g. 4,16 (default: 16)")
+    ap.add_argument("--heads-first", default=None, help="grid orders to try, e.g. 0,1 (default: the tile's)")
     ap.add_argument("--out", type=Path, default=Path("decode_sweep_out"))
     args = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -144,6 +145,8 @@ def main() -> None:
     pps = tuple(int(x) for x in args.programs_per_sm.split(",")) if args.programs_per_sm else PROGRAMS_PER_SM
     if args.block_h:
         grid["block_h"] = tuple(int(x) for x in args.block_h.split(","))
+    if args.heads_first:
+        grid["heads_first"] = tuple(bool(int(x)) for x in args.heads_first.split(","))
     t0 = time.time()
     compile_all(dtypes, args.jobs, grid, args.tiles_only)
     results: list = []
