@@ -21,7 +21,7 @@ from kvmesh.kernels.torch_ref import TorchBackend
 from kvmesh.kernels.triton_backend import TritonBackend
 from kvmesh.kv.layout import BlockLayout
 from kvmesh.kv.pool import STORAGE_DTYPES, KVCache
-from kvmesh.kv.quant import QuantizedBlocks, quantize_blocks, store_blocks
+from kvmesh.kv.quant import QuantizedBlocks, int4_key_codes, quantize_blocks, store_blocks
 
 DTYPES = ["fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
 ON_GPU = torch.cuda.is_available()
@@ -251,8 +251,9 @@ def int4_hard_blocks(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     qb = quantize_blocks(k[5:], v[5:], "int4")
     rec = qb.k_scale[0]  # [H, 16 + 2D]: K header, V header, s codes, m codes
     h = rec[:, :8].contiguous().view(torch.bfloat16).float()  # [H, 4]
-    s = rec[:, 16:16 + D].float() * h[:, 2:3]  # [H, D]
-    m = rec[:, 16 + D:].float() * h[:, 1:2] + h[:, 0:1]
+    cs, cm = int4_key_codes(rec)  # [H, D] each, channel order
+    s = cs.float() * h[:, 2:3]  # [H, D]
+    m = cm.float() * h[:, 1:2] + h[:, 0:1]
     x = k[5].transpose(0, 1)  # [H, bs, D]
     ties = m[:, None] + (torch.randint(0, 15, x.shape, generator=gen) + 0.5) * s[:, None]
     bits = ties.view(torch.int32) + torch.randint(-2, 3, x.shape, generator=gen, dtype=torch.int32)

@@ -6,7 +6,7 @@ import torch
 
 from kvmesh.kv.layout import BlockLayout
 from kvmesh.kv.pool import KVCache
-from kvmesh.kv.quant import dequantize_blocks, dequantize_layer, quantize_blocks, store_blocks
+from kvmesh.kv.quant import dequantize_blocks, dequantize_layer, int4_key_codes, quantize_blocks, store_blocks
 
 torch.set_num_threads(1)
 N, BS, H, D = 5, 16, 3, 64
@@ -78,7 +78,7 @@ def int4_parts(qb):
     rec = qb.k_scale
     hk = rec[..., :8].contiguous().view(torch.bfloat16).float()  # [n, H, 4]
     hv = rec[..., 8:16].contiguous().view(torch.bfloat16).float()
-    kc = (rec[..., 16:16 + D].float(), rec[..., 16 + D:].float())  # [n, H, D] each
+    kc = tuple(c.float() for c in int4_key_codes(rec))  # [n, H, D] each, channel order
     vc = (qb.v_scale[:, :, :, 0].float(), qb.v_scale[:, :, :, 1].float())  # [n, H, bs, G]
     return hk, hv, kc, vc
 
@@ -258,7 +258,9 @@ def _int4_record_np(a, b):
     kh, kcs, kcm = codes(a.min(2), a.max(2))
     g = b.reshape(n, H, bs, D // 32, 32)
     vh, _, _ = codes(g.min(-1).reshape(n, H, -1), g.max(-1).reshape(n, H, -1))
-    return np.concatenate((kh, vh, kcs, kcm), -1)
+    c = np.arange(D)  # the record stores each eight channels as 0 1 4 5 2 3 6 7 (kv/layout.py)
+    slots = (c & ~6) | ((c & 2) << 1) | ((c & 4) >> 1)
+    return np.concatenate((kh, vh, kcs[..., slots], kcm[..., slots]), -1)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from kvmesh.kernels.backend import AttentionMetadata
 from kvmesh.kernels.formats import FMT_INT4
-from kvmesh.kernels.int4_codec import HEADER
+from kvmesh.kernels.int4_codec import HEADER, code_slot
 from kvmesh.kernels.paged_attention import LOG2E, _cast_out, _check, _dot_dtype
 from kvmesh.kernels.splits import launch_split, num_sms, num_splits, resident_of
 from kvmesh.kv.pool import KVCache
@@ -162,8 +162,8 @@ def decode_int4_kernel(
         p32 = pool_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
         kw = tl.load(p32 + (base // 4 + (kvh * BS) * W)[:, None, None] + (t * W)[None, :, None] + w[None, None, :])
         k_mb, k_ms, k_ss = _header(pool_ptr, rec, pv)
-        kcs = _code(tl.load(pool_ptr + (rec + HEADER)[:, None] + dc[None, :]), DOT, 256)  # [P, D] s / 256, permuted
-        kcm = _code(tl.load(pool_ptr + (rec + HEADER + D)[:, None] + dp[None, :]), DOT, 1)  # [P, D] m codes
+        kcs = _code(tl.load(pool_ptr + (rec + HEADER)[:, None] + code_slot(dc)[None, :]), DOT, 256)  # [P, D] s / 256, permuted
+        kcm = _code(tl.load(pool_ptr + (rec + HEADER + D)[:, None] + code_slot(dp)[None, :]), DOT, 1)  # [P, D] m codes
         qs = qp[None, :, :] * kcs[:, None, :]  # [P, H, D]: q * s / (256 s_step), |.| <= |q|
         qm = tl.trans(tl.dot(qn, tl.trans(kcm)))  # [P, H]: q . cm (codes exact in fp16)
         qm = k_ms[:, None] * qm + k_mb[:, None] * q_sum[None, :]

@@ -34,6 +34,22 @@ def _pack(x, BITS: tl.constexpr):
 
 
 @triton.jit
+def code_slot(c):
+    """Byte of channel c's code in a K record's s (or m) codes: channels 2-3 and 4-5 of each eight
+    swap places (bits 1 and 2 of c), so a word holds the channel pairs (c, c + 4) the register-direct
+    kernel's operands pair up (kv/layout.py)."""
+    return (c & -8) | (c & 1) | ((c & 2) << 1) | ((c & 4) >> 1)
+
+
+@triton.jit
+def _code_order(x, D: tl.constexpr):
+    """[HP, D] codes in channel order -> in record order (`code_slot`; the swap is its own inverse)."""
+    HP: tl.constexpr = x.shape[0]
+    x = tl.permute(tl.reshape(x, (HP, D // 8, 2, 2, 2)), (0, 1, 3, 2, 4))  # [h, e, bit 2, bit 1, bit 0] -> 1, 2
+    return tl.reshape(x, (HP, D))
+
+
+@triton.jit
 def _bf16_round(x, UP: tl.constexpr):
     """fp32 -> a bf16 value as fp32, toward +inf (UP, x >= 0) or -inf, by integer ops on the bits."""
     b = x.to(tl.int32, bitcast=True)
@@ -123,8 +139,8 @@ def store_int4_k(pool_ptr, base, krec_base, head0, xr, BS: tl.constexpr, D: tl.c
     _store_words(pool_ptr, base, head0, tl.reshape(_pack(q, 4), (BS, HP * D // 8)), BS, D // 8)
     j = tl.arange(0, D // 4)[None, :]  # codes as 32-bit words
     p32 = pool_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + ((rec + HEADER) // 4)[:, None] + j  # [HP, D // 4]
-    tl.store(p32, tl.reshape(_pack(cs, 8), (HP, D // 4)))
-    tl.store(p32 + D // 4, tl.reshape(_pack(cm, 8), (HP, D // 4)))
+    tl.store(p32, tl.reshape(_pack(_code_order(tl.reshape(cs, (HP, D)), D), 8), (HP, D // 4)))
+    tl.store(p32 + D // 4, tl.reshape(_pack(_code_order(tl.reshape(cm, (HP, D)), D), 8), (HP, D // 4)))
 
 
 @triton.jit
@@ -207,8 +223,8 @@ def load_int4_tile(pool_ptr, base, row, n_mask, head, DATA_OFF: tl.constexpr, SC
         rec = base + SCALE_OFF + head * (HEADER + 2 * D)
         m_base, m_step, s_step = _header(pool_ptr, rec, n_mask, DOT)
         d = tl.arange(0, D)
-        cs = tl.load(pool_ptr + (rec + HEADER)[:, None] + d[None, :], mask=m2, other=0)
-        cm = tl.load(pool_ptr + (rec + HEADER + D)[:, None] + d[None, :], mask=m2, other=0)
+        cs = tl.load(pool_ptr + (rec + HEADER)[:, None] + code_slot(d)[None, :], mask=m2, other=0)
+        cm = tl.load(pool_ptr + (rec + HEADER + D)[:, None] + code_slot(d)[None, :], mask=m2, other=0)
         x = q * (_code(cs, DOT) * s_step) + (_code(cm, DOT) * m_step + m_base)
     else:  # codes [KVH, BS, 2, G] per token and 32 channels; the header sits in the K record, and
         # the K scale region starts at 2 * DATA_OFF (layout: [K data | V data | K scales | ...])

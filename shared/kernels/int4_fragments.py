@@ -4,7 +4,8 @@
 operands without moving data (checked at compile time, `assert_trivial=True`). Gluon; GPU only.
 
 Memory (kv/layout.py): a token's D channels are D/8 little-endian words, channel 8w + i in nibble i
-of word w; the page's K codes (s, m) per channel; V codes (s, m) per token and 32-channel group.
+of word w; the page's K codes (s, m) per channel, each eight stored as channels 0, 1, 4, 5, 2, 3, 6, 7
+(so a word's bytes pair up as (c, c + 4)); V codes (s, m) per token and 32-channel group.
 
 - K is the A operand [16 tokens, D] of S^T = K . q^T. A thread (g = lane/4, t = lane%4) loads the
   D/32 words (D/4 channels) from word (D/32) t of tokens g and g + 8 (one 16-byte load each at D =
@@ -97,17 +98,17 @@ if HAVE_GLUON:
 
     @gluon.jit
     def code_pairs(words):
-        """uint32 [R, D/4] words of four 8-bit codes (channels 4j..4j+3) -> fp16 [R, D/8, 2, 2, 2]
-        (_join4 order): pairs (c_p, c_{p+4}) of each eight as 4 + c / 256 exactly (fp16(0x4400 | c)),
+        """uint32 [R, D/4] words of four 8-bit codes in record order (word 2e: channels 8e + 0, 1, 4, 5;
+        word 2e + 1: 8e + 2, 3, 6, 7; kv/layout.py) -> fp16 [R, D/8, 2, 2, 2] (_join4 order): pairs
+        (c_p, c_{p+4}) of each eight, one byte permute each, as 4 + c / 256 exactly (fp16(0x4400 | c)),
         odd p as 64 + c / 16 = 16 x (4 + c / 256) (fp16(0x5400 | c): odd channels decode 16x)."""
-        lo, hi = _code_words(words)  # codes 0-3, 4-7 of each eight
+        x, y = _code_words(words)  # codes (0, 1, 4, 5) and (2, 3, 6, 7) of each eight (record order)
         c0, c1, c2, c3 = gl.inline_asm_elementwise(
-            asm="""{ .reg .b32 x, y, k4, e; mov.b32 k4, 0x44444444;
-            prmt.b32 x, $4, $5, 0x5410; prmt.b32 y, $4, $5, 0x7632;
-            prmt.b32 $0, x, k4, 0x4240; prmt.b32 $2, y, k4, 0x4240;
-            prmt.b32 e, x, k4, 0x4341; or.b32 $1, e, 0x10001000;
-            prmt.b32 e, y, k4, 0x4341; or.b32 $3, e, 0x10001000; }""",
-            constraints="=r,=r,=r,=r,r,r", args=[lo, hi], dtype=(gl.uint32,) * 4, is_pure=True, pack=1)
+            asm="""{ .reg .b32 k4, e; mov.b32 k4, 0x44444444;
+            prmt.b32 $0, $4, k4, 0x4240; prmt.b32 $2, $5, k4, 0x4240;
+            prmt.b32 e, $4, k4, 0x4341; or.b32 $1, e, 0x10001000;
+            prmt.b32 e, $5, k4, 0x4341; or.b32 $3, e, 0x10001000; }""",
+            constraints="=r,=r,=r,=r,r,r", args=[x, y], dtype=(gl.uint32,) * 4, is_pure=True, pack=1)
         return _join4(c0, c1, c2, c3)
 
     @gluon.jit
@@ -134,17 +135,16 @@ if HAVE_GLUON:
         """K s codes (uint32 [8, D/4] words, 4 + c / 256 as in `code_pairs`, every p alike) times the
         q' pairs from `pair_words` (ql, qh): (q' * c / 256) pairs, c / 256 exact, rounded once, as fp16
         [8, D/8, 2, 2, 2] (_join4 order)."""
-        lo, hi = _code_words(words)
+        x, y = _code_words(words)  # record order: codes (0, 1, 4, 5) and (2, 3, 6, 7) of each eight
         q0, q1 = _code_words(ql)
         q2, q3 = _code_words(qh)
         c0, c1, c2, c3 = gl.inline_asm_elementwise(
-            asm="""{ .reg .b32 x, y, k4, f4, e; mov.b32 k4, 0x44444444; mov.b32 f4, 0x44004400;
-            prmt.b32 x, $4, $5, 0x5410; prmt.b32 y, $4, $5, 0x7632;
-            prmt.b32 e, x, k4, 0x4240; sub.rn.f16x2 e, e, f4; mul.rn.f16x2 $0, e, $6;
-            prmt.b32 e, x, k4, 0x4341; sub.rn.f16x2 e, e, f4; mul.rn.f16x2 $1, e, $7;
-            prmt.b32 e, y, k4, 0x4240; sub.rn.f16x2 e, e, f4; mul.rn.f16x2 $2, e, $8;
-            prmt.b32 e, y, k4, 0x4341; sub.rn.f16x2 e, e, f4; mul.rn.f16x2 $3, e, $9; }""",
-            constraints="=r,=r,=r,=r,r,r,r,r,r,r", args=[lo, hi, q0, q1, q2, q3],
+            asm="""{ .reg .b32 k4, f4, e; mov.b32 k4, 0x44444444; mov.b32 f4, 0x44004400;
+            prmt.b32 e, $4, k4, 0x4240; sub.rn.f16x2 e, e, f4; mul.rn.f16x2 $0, e, $6;
+            prmt.b32 e, $4, k4, 0x4341; sub.rn.f16x2 e, e, f4; mul.rn.f16x2 $1, e, $7;
+            prmt.b32 e, $5, k4, 0x4240; sub.rn.f16x2 e, e, f4; mul.rn.f16x2 $2, e, $8;
+            prmt.b32 e, $5, k4, 0x4341; sub.rn.f16x2 e, e, f4; mul.rn.f16x2 $3, e, $9; }""",
+            constraints="=r,=r,=r,=r,r,r,r,r,r,r", args=[x, y, q0, q1, q2, q3],
             dtype=(gl.uint32,) * 4, is_pure=True, pack=1)
         return _join4(c0, c1, c2, c3)
 

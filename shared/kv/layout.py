@@ -14,7 +14,8 @@ one copy. Inside a block, layer by layer:
       int4:                K     [kv_heads, 16 + 2 * head_dim]  uint8, one record per head:
                                    bytes 0..7   K header: bf16 (m_base, m_step, s_step, 0)
                                    bytes 8..15  V header: bf16 (m_base, m_step, s_step, 0)
-                                   then K s codes [head_dim] u8, K m codes [head_dim] u8
+                                   then K s codes [head_dim] u8, K m codes [head_dim] u8,
+                                   each eight channels in the order 0 1 4 5 2 3 6 7
                            V     [kv_heads, block_size, 2, head_dim // 32]  uint8 codes per token
                                    and 32-channel group: [.., 0, g] = s code, [.., 1, g] = m code
       auto / fp16 / bf16 / fp32: no scales

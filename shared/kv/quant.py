@@ -105,6 +105,20 @@ def _bf16_round(x: torch.Tensor, up: bool) -> torch.Tensor:
     return ((b + away * 0xFFFF) & -65536).view(torch.float32)
 
 
+def _int4_code_slots(d: int, device) -> torch.Tensor:
+    """Record position -> channel of the K s/m codes (kv/layout.py: channels 2-3 and 4-5 of each
+    eight swap places; the permutation is its own inverse)."""
+    c = torch.arange(d, device=device)
+    return (c & -8) | (c & 1) | ((c & 2) << 1) | ((c & 4) >> 1)
+
+
+def int4_key_codes(rec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K records [..., 16 + 2 D] -> their (s codes, m codes) [..., D] in channel order."""
+    d = (rec.shape[-1] - INT4_HEADER) // 2
+    slots = _int4_code_slots(d, rec.device)  # record order -> channel order (the swap is its own inverse)
+    return rec[..., INT4_HEADER:INT4_HEADER + d][..., slots], rec[..., INT4_HEADER + d:][..., slots]
+
+
 def _int4_group_codes(lo: torch.Tensor, hi: torch.Tensor):
     """Group minima/maxima [n, H, groups] -> (header u8 [n, H, 8], s codes, m codes u8 [n, H, groups],
     1 / s, m float32 [n, H, groups]): layout.py's double quantization, every rounding before use."""
@@ -133,7 +147,8 @@ def _quantize_int4(kx: torch.Tensor, vx: torch.Tensor) -> QuantizedBlocks:
     vh, vcs, vcm, vinv, vm = _int4_group_codes(g.amin(dim=4).view(n, H, -1), g.amax(dim=4).view(n, H, -1))
     vinv, vm = vinv.view(n, H, bs, -1, 1), vm.view(n, H, bs, -1, 1)
     vq = torch.round((g - vm) * vinv).clamp(0, INT4_LEVELS).view(n, H, bs, D)
-    k_rec = torch.cat((kh, vh, kcs, kcm), dim=2)
+    slots = _int4_code_slots(kcs.shape[-1], kcs.device)
+    k_rec = torch.cat((kh, vh, kcs[..., slots], kcm[..., slots]), dim=2)
     v_codes = torch.stack((vcs.view(n, H, bs, -1), vcm.view(n, H, bs, -1)), dim=3)  # [n, H, bs, 2, G]
     return QuantizedBlocks(_pack_int4(kq), _pack_int4(vq), k_rec, v_codes)
 
@@ -193,7 +208,7 @@ def dequantize(kq: torch.Tensor, vq: torch.Tensor, ks: torch.Tensor | None, vs: 
         v = vq.float().mul_(vs.float()[..., None])
     else:  # int4: x = q * s + m, codes -> (s, m) per group first (small)
         D = kq.shape[-1] * 2
-        s, m = _int4_scales(ks, 0, ks[..., INT4_HEADER:INT4_HEADER + D], ks[..., INT4_HEADER + D:])
+        s, m = _int4_scales(ks, 0, *int4_key_codes(ks))
         k = _unpack_int4(kq).mul_(s[:, :, None, :]).add_(m[:, :, None, :])
         s, m = _int4_scales(ks, 8, vs[:, :, :, 0], vs[:, :, :, 1])  # [n, H, bs, G]
         n, H, bs = vs.shape[:3]
