@@ -132,7 +132,8 @@ if HAVE_GLUON:
         """S^T [16 tokens, 8 heads] of a chunk of full pages, in log2 units."""
         zero = gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA)
         k_mb, k_ms, k_ss = _header(hk)
-        # keys: qs = q' * cs / 256 (two instructions a pair), subnormal nibbles; q . cm against q'
+        # keys: qs = q' * cs / 256 (a byte permute, a subtract and a multiply a pair), subnormal nibbles;
+        # q . cm against q'
         qs_op = b_operand(logical_k(scaled_code_pairs(cs, ql, qh), D), D)
         qp_op = b_operand(logical_k(q_pairs(ql, qh), D), D)
         if MAGIC:  # nibbles as 1024 + n: 1024 x sum(qs) off the scores, through the same MMA
