@@ -28,8 +28,7 @@ from kvmesh.kernels.torch_ref import TorchBackend  # noqa: E402
 
 VARIANTS = {"default": {}, "nocap": dict(maxnreg=None), "cap128": dict(maxnreg=128), "cap144": dict(maxnreg=144),
             "cap152": dict(maxnreg=152), "unfused": dict(fused=False), "magic": dict(magic=True),
-            "baseline": dict(baseline=True), "nopf": dict(l2_prefetch=0),
-            "pf3": dict(l2_prefetch=3)}  # baseline: an earlier kernel copied to kernels/_baseline_int4_direct.py
+            "baseline": dict(baseline=True), "nopf": dict(l2_prefetch=False)}  # baseline: an earlier kernel copied to kernels/_baseline_int4_direct.py
 TOL = 2e-3
 log = kb.log
 
@@ -42,7 +41,7 @@ def correctness() -> bool:
     grid = [(4, 128, 16, torch.float16), (1, 128, 16, torch.float16), (8, 64, 32, torch.float16),
             (3, 64, 16, torch.float16), (4, 128, 32, torch.bfloat16), (4, 256, 16, torch.float16)]
     for gqa, d, bs, dt in grid:
-        runs = [({}, {}), ({}, dict(splits=7)), ({}, dict(splits=3)), ({}, dict(l2_prefetch=0)), ({}, dict(l2_prefetch=3, splits=3)), (dict(first_page=70_000, num_layers=1, layer=0), {})]
+        runs = [({}, {}), ({}, dict(splits=7)), ({}, dict(splits=3)), ({}, dict(l2_prefetch=False)), ({}, dict(l2_prefetch=False, splits=3)), (dict(first_page=70_000, num_layers=1, layer=0), {})]
         for extra, kw in runs + [({}, dict(magic=True))] * (d == 128):
             try:
                 case = dict(kv_heads=8, device="cuda", model_dtype=dt, **extra)

@@ -43,10 +43,10 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
     from kvmesh.kernels.int4_fragments import (b_operand, code_pairs, k_nibbles, logical_k, logical_k_fp16,
-                                               m_codes_operand, pack_f16x2, pair_words, q_pairs, rows_twice,
-                                               row_halves, rows_joined, scaled_code_pairs, v_code_pairs, v_codes_layout, v_nibbles, v_words_layout,
-                                               words_layout)
-    from kvmesh.kernels.split_partials import chunk_lines, prefetch_l2, store_output
+                                               m_codes_operand, pack_f16x2, pair_words, q_pairs, row_halves,
+                                               rows_joined, rows_twice, scaled_code_pairs, v_code_pairs,
+                                               v_codes_layout, v_nibbles, v_words_layout, words_layout)
+    from kvmesh.kernels.split_partials import chunk_lines, page_base, prefetch_l2, store_output
     from kvmesh.kernels.mma_fragments import A_OP, B_OP, CHUNK_C, MMA, halves, tail_rows, to_fp16, v_layout, v_operand
 
 MAXNREG = 168  # 12 one-warp programs per SM
@@ -72,12 +72,6 @@ if HAVE_GLUON:
         m_step = ((h >> 16).to(gl.uint32) << 16).to(gl.float32, bitcast=True)
         s_step = ((h >> 32).to(gl.uint32) << 16).to(gl.float32, bitcast=True)
         return m_base, m_step, s_step
-
-    @gluon.jit
-    def _page_base(pool_ptr, page, page_stride, layer_off):
-        """The byte address of a page's layer region (page -1, never read, -> 0): one 64-bit pointer a
-        chunk, so each load costs one address at most."""
-        return pool_ptr + (gl.maximum(page, 0).to(gl.int64) * page_stride + layer_off)
 
     @gluon.jit
     def _load_keys(pb, chunk, ko, co, rec, BS: gl.constexpr, D: gl.constexpr):
@@ -187,7 +181,7 @@ if HAVE_GLUON:
         KVH: gl.constexpr, G: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, PARTIAL: gl.constexpr,
         FUSED: gl.constexpr, BF16: gl.constexpr,
         MAGIC: gl.constexpr,  # key nibbles as 1024 + n (normal fp16) instead of subnormals
-        L2PF: gl.constexpr,  # ask L2 for chunk c + L2PF (2 or 3; 0: never) while chunk c + 1 loads
+        L2PF: gl.constexpr,  # ask L2 for chunk c + 2 while chunk c + 1 loads
         RMAX: gl.constexpr = 4,  # FUSED: partials the reduction unrolls over (a power of two >= splits)
     ):
         LKW: gl.constexpr = words_layout(D // 8, 16)
@@ -267,11 +261,11 @@ if HAVE_GLUON:
         sel_m = (ma + (4 + mb_) * 16).to(gl.uint32)
         # the next chunk's keys load once this chunk's scores are done, its values once its values
         # are: into the registers just freed (loads issued a whole chunk ahead need a second set, and
-        # ptxas copies every word once a chunk); the pages L2PF chunks ahead are asked of L2
+        # ptxas copies every word once a chunk); the pages two chunks ahead are asked of L2 (L2PF)
         CPP: gl.constexpr = BS // CHUNK_C
         last = gl.maximum(hi - 1, 0)
         c0 = gl.minimum(lo, last)
-        pb = _page_base(pool_ptr, gl.load(bt_row + c0 // CPP), page_stride, layer_off)
+        pb = page_base(pool_ptr, gl.load(bt_row + c0 // CPP), page_stride, layer_off)
         kw, cs, cm, hk = _load_keys(pb, c0, ko, co, rec, BS, D)
         vw, vc, hv = _load_values(pb, c0, vo, so, rec, BS, D)
         page1 = gl.load(bt_row + gl.minimum(lo + 1, last) // CPP)
@@ -280,16 +274,11 @@ if HAVE_GLUON:
             k0 = kvh * BS * (D // 2)  # a chunk's K and V rows (8 D bytes each), the head's K record, V codes
             lines, per_row = chunk_lines(k0, V_OFF + k0, KS_OFF + kvh * (HEADER + 2 * D), VS_OFF + kvh * BS * (D // 16),
                                          8 * D, 8 * D, HEADER + 2 * D, D, D // 2, D // 2, 0, D // 16)
-            if L2PF == 3:
-                page_pf = gl.load(bt_row + gl.minimum(lo + 3, last) // CPP)
         for c in range(lo, hi):
-            if L2PF == 2:
+            if L2PF:
                 prefetch_l2(pool_ptr, page2, gl.minimum(c + 2, last), lines, per_row, page_stride, layer_off, BS)
-            if L2PF == 3:  # its page id read one iteration ahead too
-                prefetch_l2(pool_ptr, page_pf, gl.minimum(c + 3, last), lines, per_row, page_stride, layer_off, BS)
-                page_pf = gl.load(bt_row + gl.minimum(c + 4, last) // CPP)
             page3 = gl.load(bt_row + gl.minimum(c + 3, last) // CPP)
-            pb = _page_base(pool_ptr, page1, page_stride, layer_off)
+            pb = page_base(pool_ptr, page1, page_stride, layer_off)
             st = _scores(ql, qh, sq, neg1024, kw, cs, cm, hk, qk_scale, D, MAGIC)
             kw, cs, cm, hk = _load_keys(pb, gl.minimum(c + 1, last), ko, co, rec, BS, D)
             acc, accm, mb, m_i, l_i, e_cur = _softmax_values(acc, accm, mb, m_i, l_i, e_cur, st, vw, vc, sel_s,
@@ -347,7 +336,7 @@ if HAVE_GLUON:
 def decode_int4_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float, *,
                        splits: int | None = None, fused: bool | None = None,
                        maxnreg: int | None = -1, magic: bool = False,
-                       l2_prefetch: int = 2) -> torch.Tensor:
+                       l2_prefetch: bool = True) -> torch.Tensor:
     """out [B, H, D] for q [B, H, D] fp16 or bf16 (one new token per sequence; k/v [B, KVH, D] its new
     K/V) over int4 pages; `supports` must hold and the caller has checked the arguments. `splits`
     overrides the split count, `fused` whether the last split reduces (None: up to

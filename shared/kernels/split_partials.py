@@ -78,10 +78,16 @@ if HAVE_GLUON:
         return off, per_row
 
     @gluon.jit
+    def page_base(pool_ptr, page, page_stride, layer_off):
+        """The byte address of a page's layer region (page -1, never read, -> 0): one 64-bit pointer a
+        chunk, so each load costs one address at most."""
+        return pool_ptr + (gl.maximum(page, 0).to(gl.int64) * page_stride + layer_off)
+
+    @gluon.jit
     def prefetch_l2(pool_ptr, page, chunk, lines, per_row, page_stride, layer_off, BS: gl.constexpr):
         """Asks L2 for every line of a chunk (`chunk_lines`; one prefetch.global.L2 a lane), two chunks
         ahead of its loads, so they find it there."""
-        pb = pool_ptr + (gl.maximum(page, 0).to(gl.int64) * page_stride + layer_off)
+        pb = page_base(pool_ptr, page, page_stride, layer_off)
         if BS // CHUNK_C > 1:
             lines = lines + (chunk % (BS // CHUNK_C)) * CHUNK_C * per_row
         gl.inline_asm_elementwise(asm="prefetch.global.L2 [$1]; mov.u32 $0, 0;", constraints="=r,l",
@@ -146,9 +152,13 @@ def launch_direct(kernel, tag: str, cache, layer: int, q: torch.Tensor, k: torch
         BS=L.block_size, D=D, FUSED=counters is not None, BF16=q.dtype == torch.bfloat16, num_warps=1,
         **consts)
     ctx, sms = meta.max_prefix_len + 1, num_sms(q.device)
+    options = maxnreg if isinstance(maxnreg, tuple) else ((maxnreg, 1.0),)
     best = None
-    for cap, chunk_time in maxnreg if isinstance(maxnreg, tuple) else ((maxnreg, 1.0),):
+    for cap, chunk_time in options:
         option = {**args, **({} if cap is None else {"maxnreg": cap})}
+        if splits is not None and len(options) == 1:  # nothing to choose: no residency probe
+            best = (0.0, option, splits)
+            break
         resident = resident_of(tag, kernel, option, q.device)
         n = splits or num_splits(B, L.kv_heads, ctx, sms, resident, CHUNK)
         cost = chunk_time * slot_cost(B, L.kv_heads, ctx, sms, resident, n)
