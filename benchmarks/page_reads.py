@@ -1,0 +1,83 @@
+"""What DRAM gives a paged read on this GPU: runs of R contiguous bytes at random places (as a decode
+kernel reads a page's K or V run per KV head), against the same runs in order, in one table:
+
+    python3 benchmarks/page_reads.py [--reps 15] [--quick]
+
+A plain Triton kernel sums 512 MB of runs; each program reads 64 KB of them, one run (or 2 KB of it)
+per load, the loop pipelined `stages` deep. Rows vary the run length (1 KB = an INT4 page's K run per
+head at D 128, block 16; 2 KB fp8/int8; 4 KB fp16), the runs' alignment (pad: bytes between runs, so
+64 leaves them 64-byte aligned as fp8 pages are: 32,768 bytes of codes + 64 of scales), and the
+program shape (warps x stages). The ratio column divides by the in-order 64 KB runs of the same
+shape, which stream like `torch.sum`. Results: docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+import triton.language as tl
+
+import kernels as kb  # benchmarks/kernels.py: timing (CUDA graphs, events, median), kvmesh on the path
+
+TOTAL = 1 << 29  # bytes of runs read per launch
+
+
+@triton.jit
+def runs_kernel(src, ids, out, stride, RUN: tl.constexpr, PIECE: tl.constexpr, PER: tl.constexpr,
+                STAGES: tl.constexpr):
+    """Program p sums runs ids[p * PER:(p + 1) * PER] of src (int32, runs `stride` words apart)."""
+    pid = tl.program_id(0)
+    acc = tl.zeros([PIECE // 4], tl.int32)
+    for j in tl.range(0, PER, num_stages=STAGES):
+        base = src + tl.load(ids + pid * PER + j).to(tl.int64) * stride
+        for p in tl.static_range(RUN // PIECE):
+            acc += tl.load(base + p * (PIECE // 4) + tl.arange(0, PIECE // 4))
+    tl.store(out + pid, tl.sum(acc))
+
+
+def time_runs(buf: torch.Tensor, run: int, pad: int, order: str, warps: int, stages: int, reps: int) -> float:
+    """TB/s of useful bytes for one configuration."""
+    per = max(1, 65536 // run)
+    n = TOTAL // run // per * per
+    g = torch.Generator(device="cuda").manual_seed(run + pad)
+    ids = torch.randperm(n, device="cuda", generator=g) if order == "random" else torch.arange(n, device="cuda")
+    ids = ids.to(torch.int32)
+    out = torch.empty(n // per, dtype=torch.int32, device="cuda")
+    piece = min(run, 2048)
+    stride = (run + pad) // 4
+
+    def call():
+        runs_kernel[(n // per,)](buf, ids, out, stride, RUN=run, PIECE=piece, PER=per, STAGES=stages,
+                                 num_warps=warps)
+    t = kb.time_ms(call, reps)
+    return n * run / t / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--quick", action="store_true", help="run lengths 2 KB and 64 KB only")
+    a = ap.parse_args()
+    read, _ = kb.read_bandwidth(5)
+    kb.log(f"{torch.cuda.get_device_name()}: torch.sum read {read:.2f} TB/s")
+    buf = torch.randint(0, 1 << 20, ((TOTAL + TOTAL // 8) // 4,), dtype=torch.int32, device="cuda")
+    runs = (2048, 65536) if a.quick else (1024, 2048, 4096, 16384, 65536)
+    rows = []
+    for warps, stages in ((4, 3), (1, 1), (1, 3), (4, 1)):
+        ref = time_runs(buf, 65536, 0, "seq", warps, stages, a.reps)
+        for run in runs:
+            for pad in (0, 64):
+                for order in ("random", "seq"):
+                    tbs = time_runs(buf, run, pad, order, warps, stages, a.reps)
+                    rows.append((warps, stages, run, pad, order, tbs, tbs / ref))
+                    kb.log(f"  {warps} warps x {stages} stages  run {run:6d}  pad {pad:2d}  {order:6s}  "
+                           f"{tbs:.2f} TB/s  {tbs / ref:.3f}")
+    print("\n| warps x stages | run bytes | pad | order | TB/s | vs in-order 64 KB |")
+    print("|---|---|---|---|---|---|")
+    for w, s, r, p, o, tbs, ratio in rows:
+        print(f"| {w} x {s} | {r} | {p} | {o} | {tbs:.2f} | {ratio:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
