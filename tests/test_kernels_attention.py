@@ -102,6 +102,17 @@ def test_decode_splits_match_torch(kv, splits):
     check(kv, 4, 64, 16, [5, 16, 4 * 16 + 1], [1, 1, 1], attend=attend)
 
 
+@pytest.mark.parametrize("kv", ["fp32", "fp16", "bf16", "fp8_e5m2", "int8"])
+def test_decode_tail_early_matches_torch(kv):
+    # the tail's slot id and new K/V row loaded at the program's start; int8 with its word decode
+    # keeps the late loads (codes 1), the plain decode takes the early ones
+    for splits, codes in ((1, 0), (3, 0), (2, 1)):
+        def attend(cache, layer, q, k, v, meta, scale):
+            return decode_attention(cache, layer, q, k, v, meta, scale, splits=splits, block_n=16, direct=False,
+                                    tail_early=True, split_codes=codes if kv == "int8" else None)
+        check(kv, 4, 64, 16, [0, 13, 2 * 16, 3 * 16 + 5], [1, 1, 1, 1], attend=attend)
+
+
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "int8"])
 @pytest.mark.parametrize("gqa,head_dim,bs", [(4, 64, 16), (1, 128, 32)])
 def test_decode_split_codes_match_torch(kv, gqa, head_dim, bs):
@@ -223,6 +234,16 @@ def test_gpu_decode_and_extend(kv, gqa, head_dim, bs):
     check(kv, gqa, head_dim, bs, lens, [1] * len(lens), kv_heads=8, device="cuda",
           attend=lambda *a: decode_attention(*a, splits=7))
     check(kv, gqa, head_dim, bs, [0, 700, 33, 1500], [300, 129, 1, 77], kv_heads=8, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["fp32", "fp16", "bf16", "fp8_e5m2"])
+def test_gpu_plain_decode_tail_early(kv):
+    # the plain kernel with the tail's loads at its start, with and without splits
+    lens = [0, 17, 1000, 3000, 64, 2049, 511, 129]
+    for splits in (None, 7):
+        check(kv, 4, 128, 16, lens, [1] * len(lens), kv_heads=8, device="cuda",
+              attend=lambda *a: decode_attention(*a, splits=splits, direct=False, tail_early=True))
 
 
 @pytest.mark.gpu

@@ -54,12 +54,16 @@ class DecodeTiles:
     split_codes: int = 0  # 8-bit codes as 32-bit words in even/odd channel halves: 1 K and V, 2 V only
     pad_rows: bool = True  # query rows padded to 16 (else G: Triton pads the dot, the softmax runs on G)
     heads_first: bool = False  # grid (KVH, B, splits): a sequence's KV heads launched side by side
+    tail_early: bool = False  # the tail's slot id and new K/V row loaded with q (SPLIT 0 only)
+    maxnreg: int | None = None  # register cap for this tile (fp16 with tail_early: 128 keeps 4 programs an SM)
 
 
 # Fastest on the H200 over 64 x 4096 and 16 x 16384 (benchmarks/decode_sweep.py, docs/kernels.md).
 # bf16 heads first: +1 % at 64 x 4096 and 256 x 1024, = elsewhere (fp16: +0.9 % at 256 x 1024, -0.4-0.6 %
 # at two others: not kept). H200, two runs of benchmarks/decode_direct_sweep.py (docs/decode_direct.md).
-TILES = {FMT_FP32: DecodeTiles(32, 3), FMT_FP16: DecodeTiles(32, 5), FMT_BF16: DecodeTiles(128, 3, heads_first=True),
+# fp16/bf16 tail_early: +1.2 / +1.5 % at 256 x 1,024, bf16 +0.8 % at 16 x 16,384 and 8 x 32,768, = elsewhere.
+TILES = {FMT_FP32: DecodeTiles(32, 3), FMT_FP16: DecodeTiles(32, 5, tail_early=True, maxnreg=128),
+         FMT_BF16: DecodeTiles(128, 3, heads_first=True, tail_early=True),
          FMT_E4M3: DecodeTiles(128, 1, native_cvt=True), FMT_E5M2: DecodeTiles(128, 1, pad_rows=False),
          FMT_INT8: DecodeTiles(128, 3, split_codes=1), FMT_INT4: DecodeTiles(32, 5, pad_rows=False)}
 
@@ -89,6 +93,7 @@ def decode_kernel(
     PARTIAL: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr, SPLIT: tl.constexpr,
     ASM: tl.constexpr,
     HEADS_FIRST: tl.constexpr = False,  # grid (KVH, B, splits): a sequence's KV heads launched side by side
+    TAIL_EARLY: tl.constexpr = False,  # SPLIT == 0: the tail's slot and new row loaded at the start
 ):
     b = tl.program_id(1) if HEADS_FIRST else tl.program_id(0)
     kvh = tl.program_id(0) if HEADS_FIRST else tl.program_id(1)
@@ -103,6 +108,11 @@ def decode_kernel(
     acc = tl.zeros((BLOCK_H, D), tl.float32)
     m_i = tl.full((BLOCK_H,), -1.0e30, tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
+    if TAIL_EARLY:  # the tail's slot id and new K/V row load with q, not after the last page
+        slot = tl.load(residual_slots_ptr + b).to(tl.int64)
+        k_new = tl.load(k_ptr + b.to(tl.int64) * stride_kb + kvh * D + d)
+        v_new = tl.load(v_ptr + b.to(tl.int64) * stride_vb + kvh * D + d)
+        tl.debug_barrier()  # keeps the loads here, not sunk to their use
     if SPLIT > 0:  # 8-bit codes decoded as even/odd channel halves (see `_split_tile`)
         HD: tl.constexpr = D // 2
         c2 = tl.arange(0, HD)
@@ -154,14 +164,18 @@ def decode_kernel(
         tm = t < n_tail
         is_new = (t == n_tail)[:, None]  # the new token joins the tail tile as row n_tail (< BS)
         valid = (t <= n_tail)[None, :]
-        slot = tl.load(residual_slots_ptr + b).to(tl.int64)
+        if not TAIL_EARLY:
+            slot = tl.load(residual_slots_ptr + b).to(tl.int64)
         rk = res_ptr + slot * slot_stride + res_layer_off + ((kvh * BS + t) * D)[:, None]
         rv = rk + KVH * BS * D
         kn = k_ptr + b.to(tl.int64) * stride_kb + kvh * D
         vn = v_ptr + b.to(tl.int64) * stride_vb + kvh * D
         if SPLIT == 0:
-            kt = tl.where(is_new, tl.load(kn + d)[None, :], tl.load(rk + d[None, :], mask=tm[:, None], other=0.0))
-            vt = tl.where(is_new, tl.load(vn + d)[None, :], tl.load(rv + d[None, :], mask=tm[:, None], other=0.0))
+            if not TAIL_EARLY:
+                k_new = tl.load(kn + d)
+                v_new = tl.load(vn + d)
+            kt = tl.where(is_new, k_new[None, :], tl.load(rk + d[None, :], mask=tm[:, None], other=0.0))
+            vt = tl.where(is_new, v_new[None, :], tl.load(rv + d[None, :], mask=tm[:, None], other=0.0))
             acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kt.to(DOT), kt, vt.to(DOT), vt, valid,
                                           qk_scale, False, DOT)
         else:
@@ -275,7 +289,7 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
                      programs_per_sm: int = 0, native_cvt: bool | None = None,
                      split_codes: int | None = None, block_h: int | None = None,
                      maxnreg: int | None = None, direct: bool | None = None,
-                     heads_first: bool | None = None) -> torch.Tensor:
+                     heads_first: bool | None = None, tail_early: bool | None = None) -> torch.Tensor:
     """out [B, H, D] for q [B, H, D] (one new token per sequence, k/v [B, KVH, D] its new K/V).
     None takes the format's entry in TILES. `native_cvt` converts fp8/int8 with the hardware
     instructions instead of bit operations; `split_codes` reads 8-bit codes as 32-bit words decoded
@@ -285,7 +299,8 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
     8-bit pages go to the register-direct Gluon kernel (`decode_direct.py`) where it serves the case
     (`direct=None`); `direct=False` forces this kernel, `direct=True` requires the other (a
     ValueError says why where it cannot serve); `heads_first` launches a sequence's KV heads side by side
-    (this kernel)."""
+    (this kernel); `tail_early` loads the last split's residual slot id and new K/V row with q, so no
+    load waits after the last page (fp16/bf16 by default)."""
     if meta.max_query_len != 1 or q.shape[0] != meta.num_seqs:
         raise ValueError(f"decode needs one new token per sequence: max_query_len={meta.max_query_len}, "
                          f"T={q.shape[0]}, B={meta.num_seqs}")
@@ -319,6 +334,8 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
             raise ValueError(f"the direct decode kernel does not serve kv {L.kv_dtype}, q {q.dtype}, G={G}, "
                              f"D={D}, block size {L.block_size} here")
     tiles = TILES[fmt]
+    if maxnreg is None and block_n is None and num_stages is None:  # the table's cap fits the table's tile
+        maxnreg = tiles.maxnreg
     block_n = block_n or max(tiles.block_n, L.block_size)
     if block_h is None:
         block_h = triton.next_power_of_2(G) if not tiles.pad_rows else max(16, triton.next_power_of_2(G))
@@ -329,6 +346,7 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
     num_stages = tiles.num_stages if num_stages is None else num_stages
     native_cvt = tiles.native_cvt if native_cvt is None else native_cvt
     heads_first = tiles.heads_first if heads_first is None else heads_first
+    tail_early = tiles.tail_early if tail_early is None else tail_early
     split_codes = int(tiles.split_codes if split_codes is None else split_codes) if fmt in (
         FMT_E4M3, FMT_E5M2, FMT_INT8) else 0
     unit = _unit(fmt)
@@ -347,7 +365,7 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
         BS=L.block_size, D=D, BLOCK_H=block_h, BLOCK_N=block_n,
         DOT=_dot_dtype(fmt, q), NATIVE=native_cvt, SPLIT=int(split_codes),
         ASM=bool(native_cvt and os.environ.get("TRITON_INTERPRET") != "1"),  # no inline PTX there
-        HEADS_FIRST=heads_first and B < 65536,
+        HEADS_FIRST=heads_first and B < 65536, TAIL_EARLY=bool(tail_early and not split_codes),
         num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
     if splits is None:
         resident = programs_per_sm or resident_of("plain", decode_kernel, args, q.device)
