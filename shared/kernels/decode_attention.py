@@ -18,6 +18,8 @@ Decode is memory-bound, so what matters is bytes in flight and whole waves:
   V tiles and V scales keep the mask (0 * garbage must not reach the accumulator).
 - The split count comes from shapes only (no host sync, fixed grid) and the compiled variant's
   residency: whole waves (a last wave 1/3 full cost a third of the time at 64 x 4096).
+- fp16/bf16 pages load the last split's residual slot id and new K/V row with q (`tail_early`): a
+  program's end then waits on one round trip, not two (+1.2-1.5 % at 256 x 1024).
 - Per-format tiles (`TILES`) come from benchmarks/decode_sweep.py on the H200; int8 reads its codes
   as 32-bit words decoded into even/odd channel halves (`_split_tile`), which keeps Triton from
   gathering single bytes out of shared memory for the dot operands.
