@@ -113,6 +113,15 @@ def test_decode_tail_early_matches_torch(kv):
         check(kv, 4, 64, 16, [0, 13, 2 * 16, 3 * 16 + 5], [1, 1, 1, 1], attend=attend)
 
 
+def test_decode_heads_first_past_one_wave_matches_torch():
+    # 40 x 4 (sequence, KV head) programs on 132 SMs x 1: more than one wave, so fp16's grid goes heads first
+    lens = [(7 * i) % 50 for i in range(40)]
+
+    def attend(cache, layer, q, k, v, meta, scale):
+        return decode_attention(cache, layer, q, k, v, meta, scale, programs_per_sm=1, direct=False)
+    check("fp16", 2, 64, 16, lens, [1] * len(lens), kv_heads=4, attend=attend)
+
+
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "int8"])
 @pytest.mark.parametrize("gqa,head_dim,bs", [(4, 64, 16), (1, 128, 32)])
 def test_decode_split_codes_match_torch(kv, gqa, head_dim, bs):

@@ -20,6 +20,8 @@ Decode is memory-bound, so what matters is bytes in flight and whole waves:
   residency: whole waves (a last wave 1/3 full cost a third of the time at 64 x 4096).
 - fp16/bf16 pages load the last split's residual slot id and new K/V row with q (`tail_early`): a
   program's end then waits on one round trip, not two (+1.2-1.5 % at 256 x 1024).
+- A sequence's KV heads launched side by side (they read the same pages at about the same time):
+  always for bf16, for fp16 where one split's programs take more than a wave (+1 % at 256 x 1024).
 - Per-format tiles (`TILES`) come from benchmarks/decode_sweep.py on the H200; int8 reads its codes
   as 32-bit words decoded into even/odd channel halves (`_split_tile`), which keeps Triton from
   gathering single bytes out of shared memory for the dot operands.
@@ -57,14 +59,17 @@ class DecodeTiles:
     pad_rows: bool = True  # query rows padded to 16 (else G: Triton pads the dot, the softmax runs on G)
     heads_first: bool = False  # grid (KVH, B, splits): a sequence's KV heads launched side by side
     tail_early: bool = False  # the tail's slot id and new K/V row loaded with q (SPLIT 0 only)
+    heads_first_past_one_wave: bool = False  # heads first where one split's programs take more than a wave
     maxnreg: int | None = None  # register cap for this tile (fp16 with tail_early: 128 keeps 4 programs an SM)
 
 
 # Fastest on the H200 over 64 x 4096 and 16 x 16384 (benchmarks/decode_sweep.py, docs/kernels.md).
 # bf16 heads first: +1 % at 64 x 4096 and 256 x 1024, = elsewhere (fp16: +0.9 % at 256 x 1024, -0.4-0.6 %
 # at two others: not kept). H200, two runs of benchmarks/decode_direct_sweep.py (docs/decode_direct.md).
-# fp16/bf16 tail_early: +1.2 / +1.5 % at 256 x 1,024, bf16 +0.8 % at 16 x 16,384 and 8 x 32,768, = elsewhere.
-TILES = {FMT_FP32: DecodeTiles(32, 3), FMT_FP16: DecodeTiles(32, 5, tail_early=True, maxnreg=128),
+# fp16/bf16 tail_early: +1.2 / +1.5 % at 256 x 1,024, bf16 +0.8 % at 16 x 16,384 and 8 x 32,768, = elsewhere;
+# fp16 heads first past one wave: +0.8-1.2 % at 256 x 1,024 (the only case it changes).
+TILES = {FMT_FP32: DecodeTiles(32, 3),
+         FMT_FP16: DecodeTiles(32, 5, tail_early=True, maxnreg=128, heads_first_past_one_wave=True),
          FMT_BF16: DecodeTiles(128, 3, heads_first=True, tail_early=True),
          FMT_E4M3: DecodeTiles(128, 1, native_cvt=True), FMT_E5M2: DecodeTiles(128, 1, pad_rows=False),
          FMT_INT8: DecodeTiles(128, 3, split_codes=1), FMT_INT4: DecodeTiles(32, 5, pad_rows=False)}
@@ -301,7 +306,7 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
     8-bit pages go to the register-direct Gluon kernel (`decode_direct.py`) where it serves the case
     (`direct=None`); `direct=False` forces this kernel, `direct=True` requires the other (a
     ValueError says why where it cannot serve); `heads_first` launches a sequence's KV heads side by side
-    (this kernel); `tail_early` loads the last split's residual slot id and new K/V row with q, so no
+    (this kernel; None: the format's choice, fp16 heads first only where one split takes more than a wave); `tail_early` loads the last split's residual slot id and new K/V row with q, so no
     load waits after the last page (fp16/bf16 by default)."""
     if meta.max_query_len != 1 or q.shape[0] != meta.num_seqs:
         raise ValueError(f"decode needs one new token per sequence: max_query_len={meta.max_query_len}, "
@@ -347,7 +352,7 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
         raise ValueError(f"block_n must be a multiple of the block size {L.block_size}, got {block_n}")
     num_stages = tiles.num_stages if num_stages is None else num_stages
     native_cvt = tiles.native_cvt if native_cvt is None else native_cvt
-    heads_first = tiles.heads_first if heads_first is None else heads_first
+    hf = tiles.heads_first if heads_first is None else heads_first
     tail_early = tiles.tail_early if tail_early is None else tail_early
     split_codes = int(tiles.split_codes if split_codes is None else split_codes) if fmt in (
         FMT_E4M3, FMT_E5M2, FMT_INT8) else 0
@@ -367,9 +372,12 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
         BS=L.block_size, D=D, BLOCK_H=block_h, BLOCK_N=block_n,
         DOT=_dot_dtype(fmt, q), NATIVE=native_cvt, SPLIT=int(split_codes),
         ASM=bool(native_cvt and os.environ.get("TRITON_INTERPRET") != "1"),  # no inline PTX there
-        HEADS_FIRST=heads_first and B < 65536, TAIL_EARLY=bool(tail_early and not split_codes),
+        HEADS_FIRST=hf and B < 65536, TAIL_EARLY=bool(tail_early and not split_codes),
         num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
     if splits is None:
         resident = programs_per_sm or resident_of("plain", decode_kernel, args, q.device)
         splits = num_splits(B, L.kv_heads, meta.max_prefix_len + 1, num_sms(q.device), resident, block_n)
+        if (heads_first is None and tiles.heads_first_past_one_wave and splits == 1 and B < 65536
+                and B * L.kv_heads > num_sms(q.device) * resident):
+            args["HEADS_FIRST"] = True
     return launch_split(decode_kernel, out, L.kv_heads, splits, args)
