@@ -60,7 +60,7 @@ class DecodeTiles:
     heads_first: bool = False  # grid (KVH, B, splits): a sequence's KV heads launched side by side
     tail_early: bool = False  # the tail's slot id and new K/V row loaded with q (SPLIT 0 only)
     heads_first_past_one_wave: bool = False  # heads first where one split's programs take more than a wave
-    maxnreg: int | None = None  # register cap for this tile (fp16 with tail_early: 128 keeps 4 programs an SM)
+    maxnreg: int | None = None  # register cap for this tile at head_dim 128 (fp16: 128 keeps 4 programs an SM)
 
 
 # Fastest on the H200 over 64 x 4096 and 16 x 16384 (benchmarks/decode_sweep.py, docs/kernels.md).
@@ -306,7 +306,8 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
     8-bit pages go to the register-direct Gluon kernel (`decode_direct.py`) where it serves the case
     (`direct=None`); `direct=False` forces this kernel, `direct=True` requires the other (a
     ValueError says why where it cannot serve); `heads_first` launches a sequence's KV heads side by side
-    (this kernel; None: the format's choice, fp16 heads first only where one split takes more than a wave); `tail_early` loads the last split's residual slot id and new K/V row with q, so no
+    (this kernel; None: the format's choice, fp16 heads first only where one split takes more than a
+    wave); `tail_early` loads the last split's residual slot id and new K/V row with q, so no
     load waits after the last page (fp16/bf16 by default)."""
     if meta.max_query_len != 1 or q.shape[0] != meta.num_seqs:
         raise ValueError(f"decode needs one new token per sequence: max_query_len={meta.max_query_len}, "
@@ -341,11 +342,12 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
             raise ValueError(f"the direct decode kernel does not serve kv {L.kv_dtype}, q {q.dtype}, G={G}, "
                              f"D={D}, block size {L.block_size} here")
     tiles = TILES[fmt]
-    if maxnreg is None and block_n is None and num_stages is None:  # the table's cap fits the table's tile
-        maxnreg = tiles.maxnreg
+    own_tile = block_n is None and num_stages is None and block_h is None
     block_n = block_n or max(tiles.block_n, L.block_size)
     if block_h is None:
         block_h = triton.next_power_of_2(G) if not tiles.pad_rows else max(16, triton.next_power_of_2(G))
+    if maxnreg is None and own_tile and D == 128 and block_h == 16:  # where the table's cap was measured
+        maxnreg = tiles.maxnreg  # (at head_dim 64 it costs residency, at 256 it spills)
     if block_h < G:
         raise ValueError(f"block_h must be at least the {G} query heads per KV head, got {block_h}")
     if block_n % L.block_size:
