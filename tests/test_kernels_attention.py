@@ -119,7 +119,7 @@ def test_decode_heads_first_past_one_wave_matches_torch():
 
     def attend(cache, layer, q, k, v, meta, scale):
         return decode_attention(cache, layer, q, k, v, meta, scale, programs_per_sm=1, direct=False)
-    check("fp16", 2, 64, 16, lens, [1] * len(lens), kv_heads=4, attend=attend)
+    check("fp16", 2, 128, 16, lens, [1] * len(lens), kv_heads=4, attend=attend)  # head_dim 128: its shape
 
 
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "int8"])

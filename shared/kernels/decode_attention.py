@@ -346,7 +346,10 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
     block_n = block_n or max(tiles.block_n, L.block_size)
     if block_h is None:
         block_h = triton.next_power_of_2(G) if not tiles.pad_rows else max(16, triton.next_power_of_2(G))
-    if maxnreg is None and own_tile and D == 128 and block_h == 16:  # where the table's cap was measured
+    # the seventh session's choices (cap, early tail loads, heads first past one wave) were measured at
+    # head_dim 128 with 16 query rows; at SmolLM2's 64 the early loads cost fp16 1-18 % (H200)
+    llama_shape = D == 128 and block_h == 16
+    if maxnreg is None and own_tile and llama_shape:
         maxnreg = tiles.maxnreg  # (at head_dim 64 it costs residency, at 256 it spills)
     if block_h < G:
         raise ValueError(f"block_h must be at least the {G} query heads per KV head, got {block_h}")
@@ -355,7 +358,7 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
     num_stages = tiles.num_stages if num_stages is None else num_stages
     native_cvt = tiles.native_cvt if native_cvt is None else native_cvt
     hf = tiles.heads_first if heads_first is None else heads_first
-    tail_early = tiles.tail_early if tail_early is None else tail_early
+    tail_early = tiles.tail_early and llama_shape if tail_early is None else tail_early
     split_codes = int(tiles.split_codes if split_codes is None else split_codes) if fmt in (
         FMT_E4M3, FMT_E5M2, FMT_INT8) else 0
     unit = _unit(fmt)
@@ -379,7 +382,7 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
     if splits is None:
         resident = programs_per_sm or resident_of("plain", decode_kernel, args, q.device)
         splits = num_splits(B, L.kv_heads, meta.max_prefix_len + 1, num_sms(q.device), resident, block_n)
-        if (heads_first is None and tiles.heads_first_past_one_wave and splits == 1 and B < 65536
+        if (heads_first is None and tiles.heads_first_past_one_wave and llama_shape and splits == 1 and B < 65536
                 and B * L.kv_heads > num_sms(q.device) * resident):
             args["HEADS_FIRST"] = True
     return launch_split(decode_kernel, out, L.kv_heads, splits, args)
