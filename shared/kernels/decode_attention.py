@@ -381,8 +381,9 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
         num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
     if splits is None:
         resident = programs_per_sm or resident_of("plain", decode_kernel, args, q.device)
-        splits = num_splits(B, L.kv_heads, meta.max_prefix_len + 1, num_sms(q.device), resident, block_n)
-        if (heads_first is None and tiles.heads_first_past_one_wave and llama_shape and splits == 1 and B < 65536
-                and B * L.kv_heads > num_sms(q.device) * resident):
-            args["HEADS_FIRST"] = True
+        sms = num_sms(q.device)
+        splits = num_splits(B, L.kv_heads, meta.max_prefix_len + 1, sms, resident, block_n)
+        past_one_wave = splits == 1 and B * L.kv_heads > sms * resident
+        if heads_first is None and tiles.heads_first_past_one_wave and llama_shape and past_one_wave:
+            args["HEADS_FIRST"] = B < 65536
     return launch_split(decode_kernel, out, L.kv_heads, splits, args)
