@@ -10,7 +10,8 @@ fp16 subnormals n 2**-24 (one mask a pair, no conversion; the 2**-24 joins the s
 tensor cores take subnormal inputs exactly); q . cm is one more MMA over the code bytes, whose 16
 rows are all the same, against q.
 Values (per token t and 32-channel group: v = n s_t + m_t): the thread's channels lie in one group,
-so n s_t comes out of one fma a pair ((1024 + n) s - 1024 s, from the fp16 bit trick), in units of
+so n s_t comes out of one fma a pair ((1024 + n) s - 1024 s, from the fp16 bit trick; odd channels,
+whose nibble sits 4 bits up, as 16 n s, the 16 taken off their output rows once), in units of
 a per-page power of two F that keeps s near 1/8 (F's changes ride on the softmax rescale, as a
 difference of exponent fields); the codes of a token pair come in one 16-byte load and two byte
 permutes. The m part, m_step sum_t p_t cm_t + m_base sum_t p_t, is one small MMA over the code
@@ -19,12 +20,13 @@ shuffles); fp32 accumulators, added to the output at the end.
 
 Loads: the next chunk's keys are issued once this chunk's scores are done and its values once its
 values are, into the registers just freed (a whole chunk ahead they need a second set, and ptxas
-copies every word once a chunk); L2 is asked for the chunk after that (one prefetch a lane), so
+copies every word once a chunk), a thread's K (and V) words as one pack of vector loads at
+immediate offsets from one address; L2 is asked for the chunk after that (one prefetch a lane), so
 those loads find it there.
 
 Fragments, layouts and the PTX: `int4_fragments.py`. Splits, the fused split reduction, the
 residual tail (full precision, one masked chunk) and the new token as in `decode_direct.py`. SASS,
-timings and every variant measured: docs/decode_direct.md, "INT4" (2.10-2.23x SDPA on the H200).
+timings and every variant measured: docs/decode_direct.md, "INT4" (2.19-2.39x SDPA on the H200).
 """
 from __future__ import annotations
 
@@ -42,10 +44,11 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from kvmesh.kernels.int4_fragments import (b_operand, code_pairs, k_nibbles, logical_k, logical_k_fp16,
-                                               m_codes_operand, pack_f16x2, pair_words, q_pairs, row_halves,
-                                               rows_joined, rows_twice, scaled_code_pairs, v_code_pairs,
-                                               v_codes_layout, v_nibbles, v_words_layout, words_layout)
+    from kvmesh.kernels.int4_fragments import (b_operand, code_pairs, k_nibbles, load_pack, logical_k,
+                                               logical_k_fp16, m_codes_operand, odd_rows_unit, pack_f16x2,
+                                               pair_words, q_pairs, row_halves, rows_joined, rows_twice,
+                                               scaled_code_pairs, v_code_pairs, v_codes_layout, v_nibbles,
+                                               v_words_layout, words_layout)
     from kvmesh.kernels.split_partials import chunk_lines, page_base, prefetch_l2, store_output
     from kvmesh.kernels.mma_fragments import A_OP, B_OP, CHUNK_C, MMA, halves, tail_rows, to_fp16, v_layout, v_operand
 
@@ -79,10 +82,11 @@ if HAVE_GLUON:
         header (uint64); ko / co: the loop-invariant word offsets of the thread's elements inside a
         page's layer region, rec: the head's K record there (bytes)."""
         p32 = pb.to(gl.pointer_type(gl.uint32), bitcast=True)
+        LKW: gl.constexpr = words_layout(D // 8, 16)
         if BS // CHUNK_C > 1:  # the chunk's rows inside the page
-            kw = gl.load(p32 + (ko + (chunk % (BS // CHUNK_C)) * CHUNK_C * (D // 8)))
+            kw = load_pack(p32 + (ko + (chunk % (BS // CHUNK_C)) * CHUNK_C * (D // 8)), LKW, D // 2)
         else:
-            kw = gl.load(p32 + ko)
+            kw = load_pack(p32 + ko, LKW, D // 2)
         p64 = pb.to(gl.pointer_type(gl.uint64), bitcast=True)
         return kw, gl.load(p32 + co), gl.load(p32 + (co + D // 4)), gl.load(p64 + rec // 8)
 
@@ -93,10 +97,10 @@ if HAVE_GLUON:
         p32 = pb.to(gl.pointer_type(gl.uint32), bitcast=True)
         if BS // CHUNK_C > 1:
             r = (chunk % (BS // CHUNK_C)) * CHUNK_C
-            vw = gl.load(p32 + (vo + r * (D // 8)))
+            vw = load_pack(p32 + (vo + r * (D // 8)), v_words_layout(D), D // 2)
             vc = gl.load(p32 + (so + r * (D // 64)))
         else:
-            vw = gl.load(p32 + vo)
+            vw = load_pack(p32 + vo, v_words_layout(D), D // 2)
             vc = gl.load(p32 + so)
         p64 = pb.to(gl.pointer_type(gl.uint64), bitcast=True)
         return vw, vc, gl.load(p64 + rec // 8 + 1)
@@ -286,7 +290,8 @@ if HAVE_GLUON:
             vw, vc, hv = _load_values(pb, gl.minimum(c + 1, last), vo, so, rec, BS, D)
             page1 = page2
             page2 = page3
-        acc = acc * ((e_cur + 3) << 23).to(gl.float32, bitcast=True)  # 1 / F
+        m = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
+        acc = acc * (odd_rows_unit(m, D) * ((e_cur + 3) << 23).to(gl.float32, bitcast=True))[:, None]  # 1 / F
         accm = gl.convert_layout(rows_joined(accm, accm), MMA, assert_trivial=True)  # lane g's group in rows g, g + 8
         l_i = gl.convert_layout(gl.max(l_i, axis=0), HL)
         mb = gl.convert_layout(gl.max(mb, axis=0), HL)
@@ -327,7 +332,6 @@ if HAVE_GLUON:
         acc = gl.convert_layout(gl.reshape(acc3 + gl.expand_dims(accm3, 0), [D, 8]), MMA, assert_trivial=True)
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
         o = (acc + mb[None, :]) * (1.0 / l_safe)[None, :]
-        m = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
         chan = (D // 8) * (m % 8) + m // 8  # memory channel of logical row m
         store_output(o, chan, l_i, m_i, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, b, kvh, split, stride_ob,
                      stride_oh, num_splits, KVH, G, D, PARTIAL, FUSED, RMAX)

@@ -27,7 +27,7 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from kvmesh.kernels.mma_fragments import A_OP, B_OP, CHUNK_C
+    from kvmesh.kernels.mma_fragments import A_OP, B_OP, CHUNK_C, pack_lines
 
     @gluon.constexpr_function
     def words_layout(W, ROWS):
@@ -48,6 +48,24 @@ if HAVE_GLUON:
             reg_bases=[[0, 1 << i] for i in range(per.bit_length() - 1)] + [[1, 0], [8, 0]],
             lane_bases=[[2, 0], [4, 0], [0, per], [0, 2 * per], [0, 4 * per]],
             warp_bases=[], block_bases=[], shape=[CHUNK_C, D // 8])
+
+    @gluon.constexpr_function
+    def pack_asm(layout, row_bytes):
+        """PTX loading all of a thread's words of a [rows, words] tile in `layout` (a
+        DistributedLinearLayout) as one pack (`mma_fragments.pack_lines`)."""
+        return pack_lines(layout.reg_bases, row_bytes)
+
+    @gluon.constexpr_function
+    def pack_constraints(layout):
+        n = 1 << len(layout.reg_bases)
+        return ",".join(["=r"] * n + ["l"] * n)
+
+    @gluon.jit
+    def load_pack(p, LAYOUT: gl.constexpr, ROW_BYTES: gl.constexpr):
+        """uint32 [rows, words] at the pointers p (in LAYOUT, rows ROW_BYTES apart): one pack a thread."""
+        N: gl.constexpr = 2 ** len(LAYOUT.reg_bases)
+        return gl.inline_asm_elementwise(asm=pack_asm(LAYOUT, ROW_BYTES), constraints=pack_constraints(LAYOUT),
+                                         args=[p], dtype=gl.uint32, is_pure=True, pack=N)
 
     @gluon.jit
     def _u32_pairs(w):
@@ -101,13 +119,13 @@ if HAVE_GLUON:
         """uint32 [R, D/4] words of four 8-bit codes in record order (word 2e: channels 8e + 0, 1, 4, 5;
         word 2e + 1: 8e + 2, 3, 6, 7; kv/layout.py) -> fp16 [R, D/8, 2, 2, 2] (_join4 order): pairs
         (c_p, c_{p+4}) of each eight, one byte permute each, as 4 + c / 256 exactly (fp16(0x4400 | c)),
-        odd p as 64 + c / 16 = 16 x (4 + c / 256) (fp16(0x5400 | c): odd channels decode 16x)."""
+        odd p as 64 + c / 16 = 16 x (4 + c / 256) (fp16(0x5400 | c): odd channels decode 16x; the
+        permute's constant holds both high bytes)."""
         x, y = _code_words(words)  # codes (0, 1, 4, 5) and (2, 3, 6, 7) of each eight (record order)
         c0, c1, c2, c3 = gl.inline_asm_elementwise(
-            asm="""{ .reg .b32 k4, e; mov.b32 k4, 0x44444444;
-            prmt.b32 $0, $4, k4, 0x4240; prmt.b32 $2, $5, k4, 0x4240;
-            prmt.b32 e, $4, k4, 0x4341; or.b32 $1, e, 0x10001000;
-            prmt.b32 e, $5, k4, 0x4341; or.b32 $3, e, 0x10001000; }""",
+            asm="""{ .reg .b32 k; mov.b32 k, 0x54445444;
+            prmt.b32 $0, $4, k, 0x4240; prmt.b32 $2, $5, k, 0x4240;
+            prmt.b32 $1, $4, k, 0x5351; prmt.b32 $3, $5, k, 0x5351; }""",
             constraints="=r,=r,=r,=r,r,r", args=[x, y], dtype=(gl.uint32,) * 4, is_pure=True, pack=1)
         return _join4(c0, c1, c2, c3)
 
@@ -170,35 +188,40 @@ if HAVE_GLUON:
     def v_nibbles(w, s, D: gl.constexpr):
         """uint32 [16, D/8] V words (v_words_layout) and the scale pairs [8 tp, 8 g] of the token pairs
         (s = (s_2tp, s_2tp+1) of lane g's group as an fp16 pair in a uint32) -> V^T [D, 16] as the A
-        operand: (1024 + n) s - 1024 s = n s in one fma a pair (rounded once)."""
+        operand: (1024 + n) s - 1024 s = n s in one fma a pair (rounded once); odd channels, whose
+        nibble sits 4 bits up, come out as 16 n s (the caller takes the 16 off their output rows:
+        `odd_rows_unit`)."""
         W: gl.constexpr = D // 8
         wa, wb = gl.split(gl.permute(gl.reshape(w, [8, 2, W]), [0, 2, 1]))  # tokens 2tp, 2tp + 1
-        s16, ns, ns16 = gl.inline_asm_elementwise(  # s / 16, -1024 s, -64 s: exact (s < 64)
-            asm="""{ .reg .b32 a, b, c; mov.b32 a, 0x2C002C00; mov.b32 b, 0xE400E400; mov.b32 c, 0xD400D400;
-            mul.rn.f16x2 $0, $3, a; mul.rn.f16x2 $1, $3, b; mul.rn.f16x2 $2, $3, c; }""",
-            constraints="=r,=r,=r,r", args=[s], dtype=(gl.uint32,) * 3, is_pure=True, pack=1)
+        ns = gl.inline_asm_elementwise(  # -1024 s: exact (s < 64)
+            asm="{ .reg .b32 b; mov.b32 b, 0xE400E400; mul.rn.f16x2 $0, $1, b; }",
+            constraints="=r,r", args=[s], dtype=gl.uint32, is_pure=True, pack=1)
         s = _over_words(s, wa, D)
-        s16 = _over_words(s16, wa, D)
         ns = _over_words(ns, wa, D)
-        ns16 = _over_words(ns16, wa, D)
         asm: gl.constexpr = """{ .reg .b32 x, y, u, v, e; .reg .b32 m; mov.b32 m, 0x64006400;
             prmt.b32 x, $8, $9, 0x5410; prmt.b32 y, $8, $9, 0x7632; shr.b32 u, x, 8; shr.b32 v, y, 8;
-            lop3.b32 e, x, 0x000F000F, m, 0xEA; fma.rn.f16x2 $0, e, $10, $12;
-            lop3.b32 e, x, 0x00F000F0, m, 0xEA; fma.rn.f16x2 $1, e, $11, $13;
-            lop3.b32 e, u, 0x000F000F, m, 0xEA; fma.rn.f16x2 $2, e, $10, $12;
-            lop3.b32 e, u, 0x00F000F0, m, 0xEA; fma.rn.f16x2 $3, e, $11, $13;
-            lop3.b32 e, y, 0x000F000F, m, 0xEA; fma.rn.f16x2 $4, e, $10, $12;
-            lop3.b32 e, y, 0x00F000F0, m, 0xEA; fma.rn.f16x2 $5, e, $11, $13;
-            lop3.b32 e, v, 0x000F000F, m, 0xEA; fma.rn.f16x2 $6, e, $10, $12;
-            lop3.b32 e, v, 0x00F000F0, m, 0xEA; fma.rn.f16x2 $7, e, $11, $13; }"""
-        y = gl.inline_asm_elementwise(asm=asm, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r",
-                                      args=[wa, wb, s, s16, ns, ns16], dtype=(gl.uint32,) * 8, is_pure=True, pack=1)
+            lop3.b32 e, x, 0x000F000F, m, 0xEA; fma.rn.f16x2 $0, e, $10, $11;
+            lop3.b32 e, x, 0x00F000F0, m, 0xEA; fma.rn.f16x2 $1, e, $10, $11;
+            lop3.b32 e, u, 0x000F000F, m, 0xEA; fma.rn.f16x2 $2, e, $10, $11;
+            lop3.b32 e, u, 0x00F000F0, m, 0xEA; fma.rn.f16x2 $3, e, $10, $11;
+            lop3.b32 e, y, 0x000F000F, m, 0xEA; fma.rn.f16x2 $4, e, $10, $11;
+            lop3.b32 e, y, 0x00F000F0, m, 0xEA; fma.rn.f16x2 $5, e, $10, $11;
+            lop3.b32 e, v, 0x000F000F, m, 0xEA; fma.rn.f16x2 $6, e, $10, $11;
+            lop3.b32 e, v, 0x00F000F0, m, 0xEA; fma.rn.f16x2 $7, e, $10, $11; }"""
+        y = gl.inline_asm_elementwise(asm=asm, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
+                                      args=[wa, wb, s, ns], dtype=(gl.uint32,) * 8, is_pure=True, pack=1)
         x = gl.join(gl.join(gl.join(_u32_pairs(y[0]), _u32_pairs(y[1])), gl.join(_u32_pairs(y[2]), _u32_pairs(y[3]))),
                     gl.join(gl.join(_u32_pairs(y[4]), _u32_pairs(y[5])), gl.join(_u32_pairs(y[6]), _u32_pairs(y[7]))))
         # [tp, W, b0, o0, o1, o2] with W = (D/64) g + wv; logical row m = g + 8 (8 wv + o), token 2 tp + b0
         x = gl.reshape(x, [8, 8, D // 64, 2, 2, 2, 2])  # [tp, g, wv, b0, o0, o1, o2]
         x = gl.reshape(gl.permute(x, [2, 6, 5, 4, 1, 0, 3]), [D, CHUNK_C])
         return gl.convert_layout(x, A_OP, assert_trivial=True)
+
+    @gluon.jit
+    def odd_rows_unit(m, D: gl.constexpr):
+        """[D] logical rows of O^T -> 1/16 where the row's memory channel, (D/8) (m % 8) + m // 8, is
+        odd (its V nibbles decode 16x, `v_nibbles`), else 1."""
+        return gl.where((m // 8) % 2 == 1, 0.0625, 1.0)
 
     @gluon.constexpr_function
     def v_codes_layout():

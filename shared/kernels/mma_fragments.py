@@ -30,6 +30,24 @@ if HAVE_GLUON:
     CHUNK_C = gl.constexpr(CHUNK)
 
     @gluon.constexpr_function
+    def pack_lines(regs: list, row_bytes: int, hint: str = "") -> str:
+        """PTX loading all of a thread's 32-bit words of a [rows, words] tile whose layout has register
+        bases `regs` ([row, word] each), rows `row_bytes` apart, as one inline-asm pack: vector loads at
+        immediate offsets from the first word's address (the last operand; the pack's other addresses go
+        unused and ptxas drops their arithmetic); `hint` a load qualifier such as ".L2::128B"."""
+        vec = 1
+        while vec < 4 and vec.bit_length() - 1 < len(regs) and regs[vec.bit_length() - 1] == [0, vec]:
+            vec *= 2  # registers that are contiguous words
+        n = 1 << len(regs)
+        lines = []
+        for g in range(0, n, vec):
+            off = sum(regs[i][0] * row_bytes + 4 * regs[i][1] for i in range(len(regs)) if g >> i & 1)
+            outs = ", ".join(f"${g + j}" for j in range(vec))
+            lines.append(f"ld.global{hint}.v{vec}.u32 {{{outs}}}, [${n}+{off}];" if vec > 1 else
+                         f"ld.global{hint}.u32 {outs}, [${n}+{off}];")
+        return " ".join(lines)
+
+    @gluon.constexpr_function
     def _k_bases(D, WORDS, SEC):
         """(register, lane) bases of k_layout."""
         unit = 4 if WORDS else 1  # channels per element
@@ -78,19 +96,7 @@ if HAVE_GLUON:
         each telling L2 to fetch L2PF bytes around it from DRAM on a miss (ld.global.L2::<n>B,
         which Triton's own loads never emit; 0: no hint). A token's codes are D bytes."""
         regs = _v_bases(D, True)[0] if V else _k_bases(D, True, SEC)[0]
-        vec = 1
-        while vec < 4 and regs[vec.bit_length() - 1] == [0, vec]:
-            vec *= 2  # registers that are contiguous words
-        n = 1 << len(regs)
-        hint = "" if L2PF == 0 else f".L2::{L2PF}B"
-        lines = []
-        for g in range(0, n, vec):
-            row = sum(regs[i][0] for i in range(len(regs)) if g >> i & 1)
-            word = sum(regs[i][1] for i in range(len(regs)) if g >> i & 1)
-            outs = ", ".join(f"${g + j}" for j in range(vec))
-            lines.append(f"ld.global{hint}.v{vec}.u32 {{{outs}}}, [${n}+{row * D + 4 * word}];" if vec > 1 else
-                         f"ld.global{hint}.u32 {outs}, [${n}+{row * D + 4 * word}];")
-        return " ".join(lines)
+        return pack_lines(regs, D, "" if L2PF == 0 else f".L2::{L2PF}B")
 
     @gluon.constexpr_function
     def words_constraints(n):
