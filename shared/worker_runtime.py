@@ -21,6 +21,9 @@ from kvmesh.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
+INDEX_CALL_TIMEOUT_S = 10.0  # one publish or withdraw; the index answers in milliseconds
+STOP_TIMEOUT_S = 15.0  # the publish loop ends within one index call once it sees the stop flag
+
 # Prefill replies and Generate requests carry a full-precision tail block; pages travel on kvstore
 # streams, but keep room for big models' tails (70B fp16 tail: 80 * 2 * 8 * 16 * 128 * 2 = 5 MiB).
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -46,6 +49,7 @@ class WorkerRuntime:
         self._held: set[bytes] = set()
         self._publish_lock = asyncio.Lock()
         self._publisher: Optional[asyncio.Task] = None
+        self._stopping = False  # the publish loop's exit condition (stop() also cancels it)
         self._metrics_server: Optional[MetricsServer] = None
         self._background: set[asyncio.Task] = set()
         self.max_pending = cfg.max_pending_requests
@@ -87,11 +91,17 @@ class WorkerRuntime:
         if self._background:
             await asyncio.wait(self._background, timeout=grace)
         if self._publisher is not None:
+            # the flag as well as the cancel: Python 3.11's asyncio.wait_for (inside redis-py's
+            # calls) can swallow a cancel that lands as its call completes (CPython gh-86296);
+            # asyncio.wait is bounded and never raises the loop's CancelledError
+            self._stopping = True
             self._publisher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._publisher
+            done, _ = await asyncio.wait([self._publisher], timeout=STOP_TIMEOUT_S)
+            if not done:
+                log.warning("%s: the index publisher did not stop within %.0f s; leaving it", self.role,
+                            STOP_TIMEOUT_S)
         with contextlib.suppress(Exception):  # the index may already be gone; entries expire anyway
-            await self.index.drop_holder(self.holder)
+            await asyncio.wait_for(self.index.drop_holder(self.holder), INDEX_CALL_TIMEOUT_S)
         if self._metrics_server is not None:
             await self._metrics_server.close()
         await self.engine.stop()
@@ -155,10 +165,10 @@ class WorkerRuntime:
                     self._held.discard(h)
                     removed.append(h)
             if stored or removed:
-                await self.index.publish(self.holder, stored, removed)
+                await asyncio.wait_for(self.index.publish(self.holder, stored, removed), INDEX_CALL_TIMEOUT_S)
 
     async def _publish_loop(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 await self.publish_events()
                 self._stats = await self.engine.run(lambda e: e.stats())

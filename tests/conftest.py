@@ -26,5 +26,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# `redis_url` / `redis_flush` fixtures: a real redis-server on a free port (tests/conftest_redis.py).
-pytest_plugins = ["conftest_redis"]
+# `redis_url` / `redis_flush` fixtures: a real redis-server on a free port (tests/conftest_redis.py);
+# a stuck test prints its pending asyncio tasks before pytest-timeout ends the run (tests/stall_dump.py).
+pytest_plugins = ["conftest_redis", "stall_dump"]

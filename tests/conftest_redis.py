@@ -25,7 +25,7 @@ def redis_flush(redis_url):
     """A redis URL whose database is empty at the start of the test."""
     import redis
 
-    client = redis.Redis.from_url(redis_url)
+    client = redis.Redis.from_url(redis_url, socket_timeout=10)  # redis-py < 8 has no default
     client.flushdb()
     client.close()
     return redis_url

@@ -20,6 +20,7 @@ from kvmesh.wire import kvmesh_pb2 as pb
 from kvmesh.wire import kvmesh_pb2_grpc as pb_grpc
 
 MiB = 1 << 20
+RPC_TIMEOUT = 10.0  # every raw stub call here has a deadline: a stuck server fails the test instead
 
 
 def rand_blocks(n: int, size: int = MiB) -> list[StoredBlock]:
@@ -80,16 +81,16 @@ async def test_bad_checksum_and_malformed_stream_rejected(node):
         bad = pb.BlockChunk(header=pb.BlockHeader(hash=os.urandom(32), size=5000, crc32=zlib.crc32(data) ^ 7),
                             data=data)
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.Put(iter([bad]))
+            await stub.Put(iter([bad]), timeout=RPC_TIMEOUT)
         assert err.value.code() == grpc.StatusCode.DATA_LOSS and "crc32" in err.value.details()
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.Put(iter([pb.BlockChunk(data=b"xx")]))
+            await stub.Put(iter([pb.BlockChunk(data=b"xx")]), timeout=RPC_TIMEOUT)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         short = pb.BlockChunk(header=pb.BlockHeader(hash=os.urandom(32), size=10, crc32=0), data=b"abc")
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.Put(iter([short]))
+            await stub.Put(iter([short]), timeout=RPC_TIMEOUT)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ended inside" in err.value.details()
-        assert (await stub.Stats(pb.StatsRequest())).blocks_held == 0
+        assert (await stub.Stats(pb.StatsRequest(), timeout=RPC_TIMEOUT)).blocks_held == 0
 
 
 async def test_leases_over_grpc_block_eviction_then_expire():
@@ -183,7 +184,7 @@ async def test_health_and_graceful_stop(node):
     async with grpc.aio.insecure_channel(node.address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         for service in ("", "kvmesh.v1.KVStore"):
-            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service))
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=RPC_TIMEOUT)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
     await node.stop(grace=0.1)
     client = GrpcKVStoreClient([node.address], timeout=2.0)

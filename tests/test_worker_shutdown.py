@@ -21,6 +21,7 @@ from kvmesh.prefill.config import PrefillConfig
 from kvmesh.remote_index import make_index_app
 from kvmesh.wire import kvmesh_pb2 as pb
 from kvmesh.wire import kvmesh_pb2_grpc as pb_grpc
+from cancel_swallowing_index import CancelSwallowingIndex
 from test_engine_models import make_tiny_model
 
 torch.set_num_threads(1)
@@ -125,3 +126,30 @@ def test_kvstore_module_exits_promptly_on_sigint_even_if_inherited_ignored():
             p.kill()
             p.wait()
         p.stdout.close()
+
+
+async def test_worker_stop_returns_although_the_index_swallowed_the_cancel(model_dir):
+    from kvmesh.engine.async_engine import AsyncEngine
+    from kvmesh.engine.engine import LLMEngine
+    from kvmesh.engine.sampling_params import SamplingParams
+    from kvmesh.worker_config import WorkerConfig
+    from kvmesh.worker_runtime import WorkerRuntime
+
+    cfg = WorkerConfig(engine=EngineConfig(model=model_dir, device="cpu", cache=CacheConfig(kv_cache_memory=1 << 20)),
+                       kvstore=("127.0.0.1:1",), publish_interval=0.01)
+    engine = AsyncEngine(await asyncio.to_thread(LLMEngine, cfg.engine))
+    index = CancelSwallowingIndex()
+    runtime = WorkerRuntime(cfg, "prefill", engine, index)
+    await runtime.start()
+    try:  # a 40-token prompt fills two blocks: their stored events make the loop publish
+        async for _ in engine.generate("r", list(range(3, 43)), SamplingParams(max_tokens=1)):
+            pass
+        await asyncio.wait_for(index.in_publish.wait(), 30)
+        stop = asyncio.create_task(runtime.stop(grace=0.1))
+        done, _ = await asyncio.wait([stop], timeout=20)  # the old loop ran on and stop() hung
+        assert done, "WorkerRuntime.stop() hung after the index swallowed the publisher's cancel"
+        stop.result()
+        assert index.swallowed == 1
+    finally:
+        if not runtime._stopped.is_set():
+            await engine.stop()

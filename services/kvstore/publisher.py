@@ -2,6 +2,11 @@
 
 Best effort: the store is the source of truth, so a failed publish is retried with the next batch and
 a lost one only costs a reader a miss.
+
+Stopping sets a flag as well as cancelling the loop: on Python 3.11 `asyncio.wait_for` (around each
+index call below, and inside redis-py >= 8 for its default 5 s socket timeout) returns normally when a
+cancel lands just as the call inside it completes (CPython gh-86296, fixed in 3.12), so a loop that
+only waits for CancelledError can run on forever and `stop()` would never return.
 """
 from __future__ import annotations
 
@@ -13,6 +18,9 @@ from kvmesh.kvstore.store import BlockStore
 
 log = logging.getLogger(__name__)
 
+INDEX_CALL_TIMEOUT_S = 10.0  # one publish or withdraw; Redis answers in milliseconds
+STOP_TIMEOUT_S = 15.0  # the loop ends within one index call once it sees the stop flag
+
 
 class IndexPublisher:
     def __init__(self, store: BlockStore, index: PrefixIndex, holder: str, interval: float) -> None:
@@ -22,13 +30,14 @@ class IndexPublisher:
         self.interval = interval
         self._pending: dict[bytes, bool] = {}  # failed batches wait here, merged with newer events
         self._task: asyncio.Task | None = None
+        self._stopping = False  # the loop's exit condition; cancel() alone may be swallowed (see above)
         self._lock = asyncio.Lock()  # an explicit flush waits for a batch already in flight
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"index-publisher-{self.holder}")
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.interval)
             try:
                 await self.flush()
@@ -52,8 +61,9 @@ class IndexPublisher:
             return
         batch, self._pending = self._pending, {}
         try:
-            await self.index.publish(self.holder, [h for h, s in batch.items() if s],
-                                     [h for h, s in batch.items() if not s])
+            await asyncio.wait_for(self.index.publish(self.holder, [h for h, s in batch.items() if s],
+                                                      [h for h, s in batch.items() if not s]),
+                                   INDEX_CALL_TIMEOUT_S)
         except BaseException:
             batch.update(self._pending)  # newer events win
             self._pending = batch
@@ -61,13 +71,15 @@ class IndexPublisher:
 
     async def stop(self) -> None:
         """Stop the loop, then withdraw every entry of this holder (the node is leaving)."""
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            # asyncio.wait, not await: bounded, and it never raises the loop's CancelledError.
+            done, _ = await asyncio.wait([self._task], timeout=STOP_TIMEOUT_S)
+            if not done:
+                log.warning("the index publisher of %s did not stop within %.0f s; leaving it",
+                            self.holder, STOP_TIMEOUT_S)
             self._task = None
         self._pending.clear()
         self.store.drain_events()
-        await self.index.drop_holder(self.holder)
+        await asyncio.wait_for(self.index.drop_holder(self.holder), INDEX_CALL_TIMEOUT_S)
