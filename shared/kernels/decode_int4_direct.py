@@ -291,7 +291,7 @@ if HAVE_GLUON:
             page1 = page2
             page2 = page3
         m = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
-        acc = acc * (odd_rows_unit(m, D) * ((e_cur + 3) << 23).to(gl.float32, bitcast=True))[:, None]  # 1 / F
+        acc = acc * (odd_rows_unit(m) * ((e_cur + 3) << 23).to(gl.float32, bitcast=True))[:, None]  # 1 / F
         accm = gl.convert_layout(rows_joined(accm, accm), MMA, assert_trivial=True)  # lane g's group in rows g, g + 8
         l_i = gl.convert_layout(gl.max(l_i, axis=0), HL)
         mb = gl.convert_layout(gl.max(mb, axis=0), HL)

@@ -218,7 +218,7 @@ if HAVE_GLUON:
         return gl.convert_layout(x, A_OP, assert_trivial=True)
 
     @gluon.jit
-    def odd_rows_unit(m, D: gl.constexpr):
+    def odd_rows_unit(m):
         """[D] logical rows of O^T -> 1/16 where the row's memory channel, (D/8) (m % 8) + m // 8, is
         odd (its V nibbles decode 16x, `v_nibbles`), else 1."""
         return gl.where((m // 8) % 2 == 1, 0.0625, 1.0)
