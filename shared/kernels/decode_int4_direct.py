@@ -56,6 +56,9 @@ MAXNREG = 168  # 12 one-warp programs per SM
 # or 16 at 128 registers, with a few spills (chunks 6 % slower, H200): taken where a launch of 12 a SM
 # would leave a part-full last wave (256 x 1,024: 2.00 against 1.83x SDPA)
 REGISTER_OPTIONS = ((MAXNREG, 1.0), (128, 1.06))
+# head_dim 64 (SmolLM2) fits 128 registers without spills: 16 programs an SM everywhere (1.58-1.62 ->
+# 1.65-1.66x SDPA at 64 x 4,096 and 256 x 1,024 with SmolLM2's heads, equal at the other cases)
+REGISTER_CAP_D64 = 128
 
 
 def supports(q: torch.Tensor, residual_dtype: torch.dtype, group: int, head_dim: int, block_size: int) -> bool:
@@ -344,10 +347,10 @@ def decode_int4_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: t
     """out [B, H, D] for q [B, H, D] fp16 or bf16 (one new token per sequence; k/v [B, KVH, D] its new
     K/V) over int4 pages; `supports` must hold and the caller has checked the arguments. `splits`
     overrides the split count, `fused` whether the last split reduces (None: up to
-    FUSED_MAX_SPLITS), `maxnreg` the register cap (-1: REGISTER_OPTIONS up to head_dim 128, the
-    cheaper for the shape; None: none)."""
-    if maxnreg == -1:
-        maxnreg = REGISTER_OPTIONS if q.shape[2] <= 128 else None  # head_dim 256 spills under the caps
+    FUSED_MAX_SPLITS), `maxnreg` the register cap (-1: REGISTER_CAP_D64 at head_dim 64, at 128
+    REGISTER_OPTIONS, the cheaper for the shape; None: none)."""
+    if maxnreg == -1:  # head_dim 256 spills under any cap
+        maxnreg = {64: REGISTER_CAP_D64, 128: REGISTER_OPTIONS}.get(q.shape[2])
     return launch_direct(decode_int4_direct_kernel, "int4-direct", cache, layer, q, k, v, meta, scale,
                          splits=splits, fused=fused, maxnreg=maxnreg, MAGIC=magic,
                          L2PF=l2_prefetch)
