@@ -346,8 +346,8 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
     block_n = block_n or max(tiles.block_n, L.block_size)
     if block_h is None:
         block_h = triton.next_power_of_2(G) if not tiles.pad_rows else max(16, triton.next_power_of_2(G))
-    # the seventh session's choices (cap, early tail loads, heads first past one wave) were measured at
-    # head_dim 128 with 16 query rows; at SmolLM2's 64 the early loads cost fp16 1-18 % (H200)
+    # the tile's register cap, early tail loads and heads first past one wave were measured at head_dim
+    # 128 with 16 query rows; at SmolLM2's 64 the early loads cost fp16 1-18 % (H200)
     llama_shape = D == 128 and block_h == 16
     if maxnreg is None and own_tile and llama_shape:
         maxnreg = tiles.maxnreg  # (at head_dim 64 it costs residency, at 256 it spills)

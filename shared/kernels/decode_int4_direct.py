@@ -44,13 +44,14 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from kvmesh.kernels.int4_fragments import (b_operand, code_pairs, k_nibbles, load_pack, logical_k,
+    from kvmesh.kernels.int4_fragments import (b_operand, code_pairs, k_nibbles, logical_k,
                                                logical_k_fp16, m_codes_operand, odd_rows_unit, pack_f16x2,
                                                pair_words, q_pairs, row_halves, rows_joined, rows_twice,
                                                scaled_code_pairs, v_code_pairs, v_codes_layout, v_nibbles,
                                                v_words_layout, words_layout)
     from kvmesh.kernels.split_partials import chunk_lines, page_base, prefetch_l2, store_output
-    from kvmesh.kernels.mma_fragments import A_OP, B_OP, CHUNK_C, MMA, halves, tail_rows, to_fp16, v_layout, v_operand
+    from kvmesh.kernels.mma_fragments import (A_OP, B_OP, CHUNK_C, MMA, halves, load_pack, tail_rows, to_fp16,
+                                              v_layout, v_operand)
 
 MAXNREG = 168  # 12 one-warp programs per SM
 # or 16 at 128 registers, with a few spills (chunks 6 % slower, H200): taken where a launch of 12 a SM
@@ -87,9 +88,9 @@ if HAVE_GLUON:
         p32 = pb.to(gl.pointer_type(gl.uint32), bitcast=True)
         LKW: gl.constexpr = words_layout(D // 8, 16)
         if BS // CHUNK_C > 1:  # the chunk's rows inside the page
-            kw = load_pack(p32 + (ko + (chunk % (BS // CHUNK_C)) * CHUNK_C * (D // 8)), LKW, D // 2)
+            kw = load_pack(p32 + (ko + (chunk % (BS // CHUNK_C)) * CHUNK_C * (D // 8)), LKW, D // 2, "")
         else:
-            kw = load_pack(p32 + ko, LKW, D // 2)
+            kw = load_pack(p32 + ko, LKW, D // 2, "")
         p64 = pb.to(gl.pointer_type(gl.uint64), bitcast=True)
         return kw, gl.load(p32 + co), gl.load(p32 + (co + D // 4)), gl.load(p64 + rec // 8)
 
@@ -100,10 +101,10 @@ if HAVE_GLUON:
         p32 = pb.to(gl.pointer_type(gl.uint32), bitcast=True)
         if BS // CHUNK_C > 1:
             r = (chunk % (BS // CHUNK_C)) * CHUNK_C
-            vw = load_pack(p32 + (vo + r * (D // 8)), v_words_layout(D), D // 2)
+            vw = load_pack(p32 + (vo + r * (D // 8)), v_words_layout(D), D // 2, "")
             vc = gl.load(p32 + (so + r * (D // 64)))
         else:
-            vw = load_pack(p32 + vo, v_words_layout(D), D // 2)
+            vw = load_pack(p32 + vo, v_words_layout(D), D // 2, "")
             vc = gl.load(p32 + so)
         p64 = pb.to(gl.pointer_type(gl.uint64), bitcast=True)
         return vw, vc, gl.load(p64 + rec // 8 + 1)

@@ -27,7 +27,7 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from kvmesh.kernels.mma_fragments import A_OP, B_OP, CHUNK_C, pack_lines
+    from kvmesh.kernels.mma_fragments import A_OP, B_OP, CHUNK_C
 
     @gluon.constexpr_function
     def words_layout(W, ROWS):
@@ -48,24 +48,6 @@ if HAVE_GLUON:
             reg_bases=[[0, 1 << i] for i in range(per.bit_length() - 1)] + [[1, 0], [8, 0]],
             lane_bases=[[2, 0], [4, 0], [0, per], [0, 2 * per], [0, 4 * per]],
             warp_bases=[], block_bases=[], shape=[CHUNK_C, D // 8])
-
-    @gluon.constexpr_function
-    def pack_asm(layout, row_bytes):
-        """PTX loading all of a thread's words of a [rows, words] tile in `layout` (a
-        DistributedLinearLayout) as one pack (`mma_fragments.pack_lines`)."""
-        return pack_lines(layout.reg_bases, row_bytes)
-
-    @gluon.constexpr_function
-    def pack_constraints(layout):
-        n = 1 << len(layout.reg_bases)
-        return ",".join(["=r"] * n + ["l"] * n)
-
-    @gluon.jit
-    def load_pack(p, LAYOUT: gl.constexpr, ROW_BYTES: gl.constexpr):
-        """uint32 [rows, words] at the pointers p (in LAYOUT, rows ROW_BYTES apart): one pack a thread."""
-        N: gl.constexpr = 2 ** len(LAYOUT.reg_bases)
-        return gl.inline_asm_elementwise(asm=pack_asm(LAYOUT, ROW_BYTES), constraints=pack_constraints(LAYOUT),
-                                         args=[p], dtype=gl.uint32, is_pure=True, pack=N)
 
     @gluon.jit
     def _u32_pairs(w):

@@ -88,21 +88,6 @@ if HAVE_GLUON:
         return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=lanes, warp_bases=[], block_bases=[],
                                           shape=[CHUNK_C, D // 4 if WORDS else D])
 
-    @gluon.constexpr_function
-    def words_asm(D, V, SEC, L2PF):
-        """PTX that loads all of a thread's words of a chunk's K (V: V) codes, one thread's words
-        being one inline-asm pack: vector loads at immediate offsets from the first word's address
-        (the last operand; the pack's other addresses go unused, and ptxas drops their arithmetic),
-        each telling L2 to fetch L2PF bytes around it from DRAM on a miss (ld.global.L2::<n>B,
-        which Triton's own loads never emit; 0: no hint). A token's codes are D bytes."""
-        regs = _v_bases(D, True)[0] if V else _k_bases(D, True, SEC)[0]
-        return pack_lines(regs, D, "" if L2PF == 0 else f".L2::{L2PF}B")
-
-    @gluon.constexpr_function
-    def words_constraints(n):
-        return ",".join(["=r"] * n + ["l"] * n)
-
-
     @gluon.jit
     def k_logical(x, D: gl.constexpr, SEC: gl.constexpr = False):
         """[16 rows, D] in k_layout (memory channel order) -> the same registers in logical channel
@@ -129,16 +114,39 @@ if HAVE_GLUON:
         return gl.convert_layout(gl.permute(x, [1, 0]), A_OP)
 
 
+    @gluon.constexpr_function
+    def pack_constraints(layout):
+        n = 1 << len(layout.reg_bases)
+        return ",".join(["=r"] * n + ["l"] * n)
+
+    @gluon.constexpr_function
+    def l2_hint(nbytes):
+        return f".L2::{nbytes}B"
+
+    @gluon.constexpr_function
+    def pack_asm(layout, row_bytes, hint):
+        return pack_lines(layout.reg_bases, row_bytes, hint)
+
+    @gluon.jit
+    def load_pack(p, LAYOUT: gl.constexpr, ROW_BYTES: gl.constexpr, HINT: gl.constexpr):
+        """uint32 [rows, words] at the pointers p (in LAYOUT, a DistributedLinearLayout; rows ROW_BYTES
+        apart; HINT a load qualifier or ""): one inline-asm pack of vector loads a thread (`pack_lines`)."""
+        N: gl.constexpr = 2 ** len(LAYOUT.reg_bases)
+        return gl.inline_asm_elementwise(asm=pack_asm(LAYOUT, ROW_BYTES, HINT), constraints=pack_constraints(LAYOUT),
+                                         args=[p], dtype=gl.uint32, is_pure=True, pack=N)
+
     @gluon.jit
     def load_words(p, D: gl.constexpr, V: gl.constexpr, SEC: gl.constexpr, L2PF: gl.constexpr):
-        """uint32 words [16, D/4] at the pointers p (k_layout(D, True, SEC), or v_layout(D, True) with
-        V): a plain load, or with L2PF one inline-asm pack per thread (words_asm)."""
+        """uint32 words [16, D/4] of a chunk's K (V: V) codes at the pointers p (k_layout(D, True, SEC),
+        or v_layout(D, True) with V; a token's codes are D bytes): a plain load, or with L2PF one
+        pack a thread whose loads tell L2 to fetch L2PF bytes around them from DRAM on a miss
+        (ld.global.L2::<n>B, which Triton's own loads never emit)."""
         if L2PF == 0:
             w = gl.load(p)
+        elif V:
+            w = load_pack(p, v_layout(D, True), D, l2_hint(L2PF))
         else:
-            N: gl.constexpr = D // 8  # words per thread: 16 tokens x D/4 words over 32 lanes
-            w = gl.inline_asm_elementwise(asm=words_asm(D, V, SEC, L2PF), constraints=words_constraints(N),
-                                          args=[p], dtype=gl.uint32, is_pure=True, pack=N)
+            w = load_pack(p, k_layout(D, True, SEC), D, l2_hint(L2PF))
         return w
 
     @gluon.jit
