@@ -12,6 +12,7 @@ timing beside SDPA and the tile kernel (decode_int4.py), every variant in one ru
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import traceback
 from pathlib import Path
@@ -27,8 +28,9 @@ from kvmesh.kernels.decode_int4_direct import decode_int4_direct  # noqa: E402
 from kvmesh.kernels.torch_ref import TorchBackend  # noqa: E402
 
 VARIANTS = {"default": {}, "nocap": dict(maxnreg=None), "cap128": dict(maxnreg=128), "cap144": dict(maxnreg=144),
-            "cap152": dict(maxnreg=152), "unfused": dict(fused=False), "magic": dict(magic=True),
-            "baseline": dict(baseline=True), "nopf": dict(l2_prefetch=False)}  # baseline: an earlier kernel copied to kernels/_baseline_int4_direct.py
+            "cap152": dict(maxnreg=152), "unfused": dict(fused=False), "nopf": dict(l2_prefetch=False)}
+# and "mod_<name>": the kernel of kernels/_<name>_int4_direct.py (git-ignored copies: "mod_baseline" an
+# earlier version, others an experiment), for side-by-side timing
 TOL = 2e-3
 log = kb.log
 
@@ -42,7 +44,7 @@ def correctness() -> bool:
             (3, 64, 16, torch.float16), (4, 128, 32, torch.bfloat16), (4, 256, 16, torch.float16)]
     for gqa, d, bs, dt in grid:
         runs = [({}, {}), ({}, dict(splits=7)), ({}, dict(splits=3)), ({}, dict(l2_prefetch=False)), ({}, dict(l2_prefetch=False, splits=3)), (dict(first_page=70_000, num_layers=1, layer=0), {})]
-        for extra, kw in runs + [({}, dict(magic=True))] * (d == 128):
+        for extra, kw in runs:
             try:
                 case = dict(kv_heads=8, device="cuda", model_dtype=dt, **extra)
                 ls = [4000, 20, 1600] if extra else lens
@@ -80,10 +82,10 @@ def timing(reps: int, variants: list[str]) -> list:
         t_old = kb.time_ms(lambda: decode_int4(cache, 0, q, kn, vn, meta, scale), reps)
         rows.append((f"{batch}x{ctx}", "tile kernel", t_old, t_sdpa / t_old, 0.0))
         for name in variants:
-            kw = dict(VARIANTS[name])
+            kw = dict(VARIANTS.get(name, {}))
             fn = decode_int4_direct
-            if kw.pop("baseline", False):  # a copy of an earlier version, for a side-by-side timing
-                from kvmesh.kernels._baseline_int4_direct import decode_int4_direct as fn
+            if name.startswith("mod_"):  # a copy beside the shipped kernel, for a side-by-side timing
+                fn = importlib.import_module(f"kvmesh.kernels._{name[4:]}_int4_direct").decode_int4_direct
             try:
                 out = fn(cache, 0, q, kn, vn, meta, scale, **kw)
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()

@@ -122,6 +122,25 @@ def test_gpu_decode_int4_direct(gqa, head_dim, bs, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("q_scale", [1e-3, 37.0, 3000.0])
+def test_gpu_decode_int4_direct_query_range(q_scale):
+    """The direct kernel takes q to a power of two near 2**14 (so q times a K code, an fp16
+    subnormal, stays a normal number): tiny and large queries, the softmax scale divided by the same
+    factor, so the attention itself is the usual one."""
+    from kvmesh.kernels.decode_int4_direct import decode_int4_direct
+
+    lens = [0, 17, 1000, 2049, 129]
+    cache, meta, q, k, v = make_case("int4", 4, 128, 16, lens, [1] * len(lens), seed=8, kv_heads=8, device="cuda",
+                                     model_dtype=F16)
+    q = (q.float() * q_scale).half()
+    scale = 128 ** -0.5 / q_scale
+    ref = TorchBackend().attend(cache, 1, q, k, v, meta, scale)
+    for splits in (None, 3):
+        err = rel_l2(decode_int4_direct(cache, 1, q, k, v, meta, scale, splits=splits), ref)
+        assert err <= TOL, f"q x {q_scale}, splits {splits}: relative L2 {err:.2e} > {TOL}"
+
+
+@pytest.mark.gpu
 def test_gpu_decode_attention_sends_int4_to_direct():
     from kvmesh.kernels.decode_attention import decode_attention
 

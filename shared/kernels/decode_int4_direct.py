@@ -4,11 +4,13 @@ codes, with the scales folded out of the elements wherever the math allows.
 
 Keys (per channel c over the page: k = n s_c + m_c, s_c = cs_c s_step, m_c = cm_c m_step + m_base):
     q . k_t = s_step (q * cs) . n_t + m_step (q . cm) + m_base sum(q)
-q * cs is the page's B operand (c / 256 exact, one multiply a pair; the record stores each eight's codes
-as channels 0 1 4 5 2 3 6 7, so a word holds the (c, c + 4) pairs it takes); the nibbles enter the MMA as
-fp16 subnormals n 2**-24 (one mask a pair, no conversion; the 2**-24 joins the scale: the H200's
-tensor cores take subnormal inputs exactly); q . cm is one more MMA over the code bytes, whose 16
-rows are all the same, against q.
+q * cs is the page's B operand: q' = q 2**e (a power of two that brings max |q| to 2**13-2**14) times
+the code as the fp16 subnormal c 2**-24 (one byte permute and one multiply a pair; the record stores
+each eight's codes as channels 0 1 4 5 2 3 6 7, so a word holds the (c, c + 4) pairs it takes), a
+normal number rounded once; the nibbles enter the MMA as fp16 subnormals n 2**-24 (one mask a pair,
+no conversion; the units join the scale: the H200's tensor cores take subnormal inputs exactly).
+q . m, the same for every token of a page, comes 16 pages at a time from one MMA over their m codes
+against q, at the top of every 16 pages; a chunk takes its page's row by one shuffle a register.
 Values (per token t and 32-channel group: v = n s_t + m_t): the thread's channels lie in one group,
 so n s_t comes out of one fma a pair ((1024 + n) s - 1024 s, from the fp16 bit trick; odd channels,
 whose nibble sits 4 bits up, as 16 n s, the 16 taken off their output rows once), in units of
@@ -46,7 +48,7 @@ if HAVE_GLUON:
 
     from kvmesh.kernels.int4_fragments import (b_operand, code_pairs, k_nibbles, logical_k,
                                                logical_k_fp16, m_codes_operand, odd_rows_unit, pack_f16x2,
-                                               pair_words, q_pairs, row_halves, rows_joined, rows_twice,
+                                               pair_words, q_pairs, row_halves, row_of, rows_joined,
                                                scaled_code_pairs, v_code_pairs, v_codes_layout, v_nibbles,
                                                v_words_layout, words_layout)
     from kvmesh.kernels.split_partials import chunk_lines, page_base, prefetch_l2, store_output
@@ -82,9 +84,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _load_keys(pb, chunk, ko, co, rec, BS: gl.constexpr, D: gl.constexpr):
-        """A chunk's key words: K [16, D/8], the K s and m codes [8, D/4] (B-side layout), the page's K
-        header (uint64); ko / co: the loop-invariant word offsets of the thread's elements inside a
-        page's layer region, rec: the head's K record there (bytes)."""
+        """A chunk's key words: K [16, D/8], the K s codes [8, D/4] (B-side layout), the page's K header
+        (uint64); ko / co: the loop-invariant word offsets of the thread's elements inside a page's
+        layer region, rec: the head's K record there (bytes)."""
         p32 = pb.to(gl.pointer_type(gl.uint32), bitcast=True)
         LKW: gl.constexpr = words_layout(D // 8, 16)
         if BS // CHUNK_C > 1:  # the chunk's rows inside the page
@@ -92,7 +94,7 @@ if HAVE_GLUON:
         else:
             kw = load_pack(p32 + ko, LKW, D // 2, "")
         p64 = pb.to(gl.pointer_type(gl.uint64), bitcast=True)
-        return kw, gl.load(p32 + co), gl.load(p32 + (co + D // 4)), gl.load(p64 + rec // 8)
+        return kw, gl.load(p32 + co), gl.load(p64 + rec // 8)
 
     @gluon.jit
     def _load_values(pb, chunk, vo, so, rec, BS: gl.constexpr, D: gl.constexpr):
@@ -130,24 +132,32 @@ if HAVE_GLUON:
         return acc, accm + mm * v_ms, mb + sp * v_mb, l_i + sp
 
     @gluon.jit
-    def _scores(ql, qh, sq, neg1024, kw, cs, cm, hk, qk_scale, D: gl.constexpr, MAGIC: gl.constexpr):
-        """S^T [16 tokens, 8 heads] of a chunk of full pages, in log2 units."""
-        zero = gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA)
+    def _page_offsets(pool_ptr, bt_row, p0, p_last, rr, cmo, rec, qp_op, sq, qk_q, page_stride, layer_off,
+                      D: gl.constexpr):
+        """q . m of 16 pages at once, m = cm m_step + m_base per channel (a page's score offset, the
+        same for its every token), in log2 units: [16 pages, 8 heads] (MMA layout), page p0 + r in row r
+        (pages past p_last read p_last). One MMA over the 16 pages' m codes against q, where a chunk
+        at a time took an MMA whose 16 rows were all alike."""
+        pages = gl.load(bt_row + gl.minimum(p0 + rr, p_last))  # [16]
+        pb = page_base(pool_ptr, pages, page_stride, layer_off)
+        cm = gl.load(pb.to(gl.pointer_type(gl.uint32), bitcast=True)[:, None] + cmo[None, :])  # [16, D/4]
+        hk = gl.load(pb.to(gl.pointer_type(gl.uint64), bitcast=True) + rec // 8)
+        k_mb, k_ms, k_ss = _header(gl.convert_layout(hk, gl.SliceLayout(1, MMA), assert_trivial=True))
+        cm_op = gl.convert_layout(logical_k(code_pairs(cm), D), A_OP, assert_trivial=True)
+        qm = mma_v2(cm_op, qp_op, gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA))  # sum q' (4 + cm / 256)
+        return (qm * (qk_q * 256.0 * k_ms)[:, None]
+                + sq * (qk_q * (k_mb - 1024.0 * k_ms))[:, None])
+
+    @gluon.jit
+    def _scores(ql, qh, kw, cs, hk, offset, k_unit, D: gl.constexpr):
+        """S^T [16 tokens, 8 heads] of a chunk of full pages, in log2 units; offset [16, 8]: the page's
+        q . m (`_page_offsets`), every row alike; k_unit: the nibble and code units and the softmax
+        scale, over q's power of two."""
         k_mb, k_ms, k_ss = _header(hk)
-        # keys: qs = q' * cs / 256 (a byte permute, a subtract and a multiply a pair), subnormal nibbles;
-        # q . cm against q'
+        # keys: q' * cs 2**-24 (a byte permute and a multiply a pair), nibbles n 2**-24: subnormals
         qs_op = b_operand(logical_k(scaled_code_pairs(cs, ql, qh), D), D)
-        qp_op = b_operand(logical_k(q_pairs(ql, qh), D), D)
-        if MAGIC:  # nibbles as 1024 + n: 1024 x sum(qs) off the scores, through the same MMA
-            st = mma_v2(k_nibbles(kw, D, True), qs_op, mma_v2(neg1024, qs_op, zero))
-            k_unit = qk_scale * 256.0 * k_ss
-        else:  # subnormal nibbles, n 2**-24
-            st = mma_v2(k_nibbles(kw, D, False), qs_op, zero)
-            k_unit = qk_scale * 4294967296.0 * k_ss
-        cm_op = gl.convert_layout(rows_twice(logical_k(code_pairs(cm), D)), A_OP, assert_trivial=True)
-        qm = mma_v2(cm_op, qp_op, zero)  # sum q (4 + cm / 256), all rows alike
-        return (st * k_unit + qm * (qk_scale * 256.0 * k_ms)
-                + sq * (qk_scale * (k_mb - 1024.0 * k_ms)))
+        st = mma_v2(k_nibbles(kw, D), qs_op, gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA))
+        return st * (k_unit * k_ss) + offset
 
     @gluon.jit
     def _softmax_values(acc, accm, mb, m_i, l_i, e_cur, st, vw, vc, sel_s, sel_m, hv, D: gl.constexpr):
@@ -188,7 +198,6 @@ if HAVE_GLUON:
         V_OFF: gl.constexpr, KS_OFF: gl.constexpr, VS_OFF: gl.constexpr,
         KVH: gl.constexpr, G: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, PARTIAL: gl.constexpr,
         FUSED: gl.constexpr, BF16: gl.constexpr,
-        MAGIC: gl.constexpr,  # key nibbles as 1024 + n (normal fp16) instead of subnormals
         L2PF: gl.constexpr,  # ask L2 for chunk c + 2 while chunk c + 1 loads
         RMAX: gl.constexpr = 4,  # FUSED: partials the reduction unrolls over (a power of two >= splits)
     ):
@@ -215,13 +224,19 @@ if HAVE_GLUON:
         tq = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, LQ))
         cq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))
 
-        # q' = q with 1/16 on odd channels (their nibbles decode 16x), B operand [D, 8]; sq = sum(q)
+        # q' = q 2**e with 1/16 on odd channels (their nibbles decode 16x), B operand [D, 8]; sq = sum(q')
         q_rows = q_ptr + b.to(gl.int64) * stride_qb + ((kvh * G + tq) * stride_qh)[:, None] + cq[None, :]
         q = gl.load(q_rows, mask=(tq < g_rows)[:, None], other=0.0).to(gl.float32)  # [16, D]
         if BF16:
             qf, fq = to_fp16(q, tq < g_rows)
             q = qf.to(gl.float32)
             qk_scale = qk_scale * fq
+        # 2**e brings max |q| into [2**13, 2**14): q' times a K s code c as the fp16 subnormal c 2**-24
+        # (< 2**-16) then stays a normal number, rounded once, and no code needs its offset taken off
+        e_q = gl.maximum((gl.max(gl.max(gl.abs(q), axis=1), axis=0).to(gl.int32, bitcast=True) >> 23) & 0xFF, 80)
+        q = q * ((267 - e_q) << 23).to(gl.float32, bitcast=True)  # 2**e, e = 140 - e_q
+        qk_q = qk_scale * ((e_q - 13) << 23).to(gl.float32, bitcast=True)  # the pages' scores: 2**-e
+        k_unit = qk_q * 281474976710656.0  # 2**48: the nibbles' and the codes' 2**-24
         qp = gl.where((cq % 2 == 1)[None, :], q * 0.0625, q).to(gl.float16)
         qp_op = b_operand(halves(logical_k_fp16(qp, D)), D)
         # q' as fp16 pairs in the K s codes' words (see scaled_code_pairs); the loop's B operands
@@ -234,7 +249,6 @@ if HAVE_GLUON:
         ones = gl.where((cq % 2 == 1)[None, :], 16.0, 1.0).to(gl.float16) + gl.zeros([CHUNK_C, D], gl.float16, LQ)
         ones_op = gl.convert_layout(logical_k_fp16(ones, D), A_OP, assert_trivial=True)
         sq = mma_v2(ones_op, qp_op, gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA))  # [16, 8]: sum(q)
-        neg1024 = gl.full([CHUNK_C, D], -1024.0, gl.float16, layout=A_OP)  # (MAGIC)
 
         acc = gl.zeros([D, 8], gl.float32, layout=MMA)  # O^T of the n s part, x F
         accm, l_i = row_halves(gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA))  # [8 g, 8]: m_step sum p cm
@@ -274,7 +288,7 @@ if HAVE_GLUON:
         last = gl.maximum(hi - 1, 0)
         c0 = gl.minimum(lo, last)
         pb = page_base(pool_ptr, gl.load(bt_row + c0 // CPP), page_stride, layer_off)
-        kw, cs, cm, hk = _load_keys(pb, c0, ko, co, rec, BS, D)
+        kw, cs, hk = _load_keys(pb, c0, ko, co, rec, BS, D)
         vw, vc, hv = _load_values(pb, c0, vo, so, rec, BS, D)
         page1 = gl.load(bt_row + gl.minimum(lo + 1, last) // CPP)
         page2 = gl.load(bt_row + gl.minimum(lo + 2, last) // CPP)
@@ -282,18 +296,27 @@ if HAVE_GLUON:
             k0 = kvh * BS * (D // 2)  # a chunk's K and V rows (8 D bytes each), the head's K record, V codes
             lines, per_row = chunk_lines(k0, V_OFF + k0, KS_OFF + kvh * (HEADER + 2 * D), VS_OFF + kvh * BS * (D // 16),
                                          8 * D, 8 * D, HEADER + 2 * D, D, D // 2, D // 2, 0, D // 16)
-        for c in range(lo, hi):
-            if L2PF:
-                prefetch_l2(pool_ptr, page2, gl.minimum(c + 2, last), lines, per_row, page_stride, layer_off, BS)
-            page3 = gl.load(bt_row + gl.minimum(c + 3, last) // CPP)
-            pb = page_base(pool_ptr, page1, page_stride, layer_off)
-            st = _scores(ql, qh, sq, neg1024, kw, cs, cm, hk, qk_scale, D, MAGIC)
-            kw, cs, cm, hk = _load_keys(pb, gl.minimum(c + 1, last), ko, co, rec, BS, D)
-            acc, accm, mb, m_i, l_i, e_cur = _softmax_values(acc, accm, mb, m_i, l_i, e_cur, st, vw, vc, sel_s,
-                                                             sel_m, hv, D)
-            vw, vc, hv = _load_values(pb, gl.minimum(c + 1, last), vo, so, rec, BS, D)
-            page1 = page2
-            page2 = page3
+        # the pages' q . m, 16 pages at a time (_page_offsets); a chunk takes its page's row by a shuffle
+        LCM: gl.constexpr = words_layout(D // 4, 16)
+        rr = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, LCM))
+        cmo = (rec + HEADER) // 4 + D // 4 + gl.arange(0, D // 4, layout=gl.SliceLayout(0, LCM))
+        qp_op = b_operand(logical_k(q_pairs(ql, qh), D), D)
+        p_last = last // CPP
+        for p0 in range(lo // CPP, gl.cdiv(hi, CPP), CHUNK_C):
+            offsets = _page_offsets(pool_ptr, bt_row, p0, p_last, rr, cmo, rec, qp_op, sq, qk_q, page_stride,
+                                    layer_off, D)
+            for c in range(gl.maximum(lo, p0 * CPP), gl.minimum(hi, (p0 + CHUNK_C) * CPP)):
+                if L2PF:
+                    prefetch_l2(pool_ptr, page2, gl.minimum(c + 2, last), lines, per_row, page_stride, layer_off, BS)
+                page3 = gl.load(bt_row + gl.minimum(c + 3, last) // CPP)
+                pb = page_base(pool_ptr, page1, page_stride, layer_off)
+                st = _scores(ql, qh, kw, cs, hk, row_of(offsets, c // CPP - p0), k_unit, D)
+                kw, cs, hk = _load_keys(pb, gl.minimum(c + 1, last), ko, co, rec, BS, D)
+                acc, accm, mb, m_i, l_i, e_cur = _softmax_values(acc, accm, mb, m_i, l_i, e_cur, st, vw, vc, sel_s,
+                                                                 sel_m, hv, D)
+                vw, vc, hv = _load_values(pb, gl.minimum(c + 1, last), vo, so, rec, BS, D)
+                page1 = page2
+                page2 = page3
         m = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
         acc = acc * (odd_rows_unit(m) * ((e_cur + 3) << 23).to(gl.float32, bitcast=True))[:, None]  # 1 / F
         accm = gl.convert_layout(rows_joined(accm, accm), MMA, assert_trivial=True)  # lane g's group in rows g, g + 8
@@ -343,7 +366,7 @@ if HAVE_GLUON:
 
 def decode_int4_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float, *,
                        splits: int | None = None, fused: bool | None = None,
-                       maxnreg: int | None = -1, magic: bool = False,
+                       maxnreg: int | None = -1,
                        l2_prefetch: bool = True) -> torch.Tensor:
     """out [B, H, D] for q [B, H, D] fp16 or bf16 (one new token per sequence; k/v [B, KVH, D] its new
     K/V) over int4 pages; `supports` must hold and the caller has checked the arguments. `splits`
@@ -353,5 +376,5 @@ def decode_int4_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: t
     if maxnreg == -1:  # head_dim 256 spills under any cap
         maxnreg = {64: REGISTER_CAP_D64, 128: REGISTER_OPTIONS}.get(q.shape[2])
     return launch_direct(decode_int4_direct_kernel, "int4-direct", cache, layer, q, k, v, meta, scale,
-                         splits=splits, fused=fused, maxnreg=maxnreg, MAGIC=magic,
+                         splits=splits, fused=fused, maxnreg=maxnreg,
                          L2PF=l2_prefetch)

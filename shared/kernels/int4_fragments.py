@@ -75,18 +75,12 @@ if HAVE_GLUON:
         return gl.reshape(gl.permute(x, [0, 2, 4, 5, 1, 3]), [R, D])
 
     @gluon.jit
-    def k_nibbles(w, D: gl.constexpr, MAGIC: gl.constexpr):
+    def k_nibbles(w, D: gl.constexpr):
         """uint32 [16, D/8] K words (words_layout(D // 8, 16)) -> the A operand [16, D] of S^T: subnormal
-        fp16 n * 2**-24 (even channels) and 16 n * 2**-24 (odd), one LOP3 a pair, exact; with MAGIC
-        1024 + n and 1024 + 16 n instead (normal numbers; the caller takes the 1024 off)."""
-        if MAGIC:
-            asm: gl.constexpr = """{ .reg .b32 u, m; shr.b32 u, $4, 8; mov.b32 m, 0x64006400;
-                lop3.b32 $0, $4, 0x000F000F, m, 0xEA; lop3.b32 $1, $4, 0x00F000F0, m, 0xEA;
-                lop3.b32 $2, u, 0x000F000F, m, 0xEA; lop3.b32 $3, u, 0x00F000F0, m, 0xEA; }"""
-        else:
-            asm: gl.constexpr = """{ .reg .b32 u; shr.b32 u, $4, 8;
-                and.b32 $0, $4, 0x000F000F; and.b32 $1, $4, 0x00F000F0;
-                and.b32 $2, u, 0x000F000F; and.b32 $3, u, 0x00F000F0; }"""
+        fp16 n * 2**-24 (even channels) and 16 n * 2**-24 (odd), one LOP3 a pair, exact."""
+        asm: gl.constexpr = """{ .reg .b32 u; shr.b32 u, $4, 8;
+            and.b32 $0, $4, 0x000F000F; and.b32 $1, $4, 0x00F000F0;
+            and.b32 $2, u, 0x000F000F; and.b32 $3, u, 0x00F000F0; }"""
         r0, r1, r2, r3 = gl.inline_asm_elementwise(asm=asm, constraints="=r,=r,=r,=r,r", args=[w],
                                                    dtype=(gl.uint32,) * 4, is_pure=True, pack=1)
         return gl.convert_layout(logical_k(_join4(r0, r1, r2, r3), D), A_OP, assert_trivial=True)
@@ -132,18 +126,19 @@ if HAVE_GLUON:
 
     @gluon.jit
     def scaled_code_pairs(words, ql, qh):
-        """K s codes (uint32 [8, D/4] words, 4 + c / 256 as in `code_pairs`, every p alike) times the
-        q' pairs from `pair_words` (ql, qh): (q' * c / 256) pairs, c / 256 exact, rounded once, as fp16
-        [8, D/8, 2, 2, 2] (_join4 order)."""
+        """K s codes (uint32 [8, D/4] words, in record order as in `code_pairs`) times the q' pairs
+        from `pair_words` (ql, qh): (q' * c 2**-24) pairs, the code as an fp16 subnormal (one byte
+        permute a pair, exact), the product rounded once (a normal number when max |q'| >= 2**12), as
+        fp16 [8, D/8, 2, 2, 2] (_join4 order)."""
         x, y = _code_words(words)  # record order: codes (0, 1, 4, 5) and (2, 3, 6, 7) of each eight
         q0, q1 = _code_words(ql)
         q2, q3 = _code_words(qh)
         c0, c1, c2, c3 = gl.inline_asm_elementwise(
-            asm="""{ .reg .b32 k4, f4, e; mov.b32 k4, 0x44444444; mov.b32 f4, 0x44004400;
-            prmt.b32 e, $4, k4, 0x4240; sub.rn.f16x2 e, e, f4; mul.rn.f16x2 $0, e, $6;
-            prmt.b32 e, $4, k4, 0x4341; sub.rn.f16x2 e, e, f4; mul.rn.f16x2 $1, e, $7;
-            prmt.b32 e, $5, k4, 0x4240; sub.rn.f16x2 e, e, f4; mul.rn.f16x2 $2, e, $8;
-            prmt.b32 e, $5, k4, 0x4341; sub.rn.f16x2 e, e, f4; mul.rn.f16x2 $3, e, $9; }""",
+            asm="""{ .reg .b32 e;
+            prmt.b32 e, $4, 0, 0x4240; mul.rn.f16x2 $0, e, $6;
+            prmt.b32 e, $4, 0, 0x4341; mul.rn.f16x2 $1, e, $7;
+            prmt.b32 e, $5, 0, 0x4240; mul.rn.f16x2 $2, e, $8;
+            prmt.b32 e, $5, 0, 0x4341; mul.rn.f16x2 $3, e, $9; }""",
             constraints="=r,=r,=r,=r,r,r,r,r,r,r", args=[x, y, q0, q1, q2, q3],
             dtype=(gl.uint32,) * 4, is_pure=True, pack=1)
         return _join4(c0, c1, c2, c3)
@@ -238,6 +233,19 @@ if HAVE_GLUON:
     def row_halves(x):
         """[16, 8] (MMA layout) -> rows 0-7 and rows 8-15 as [8, 8] each (registers renamed only)."""
         return gl.split(gl.permute(gl.reshape(x, [2, 8, 8]), [1, 2, 0]))
+
+    @gluon.jit
+    def row_of(x, j):
+        """Row j (0-15, the same in every lane) of x [16, 8] fp32 (MMA layout) in every row: lanes
+        4 g + t hold rows g and g + 8, so each lane reads lane 4 (j % 8) + t (shfl with segment mask 3
+        keeps the lane's own low two bits), one shuffle a register."""
+        lo, hi = row_halves(x)
+        v = gl.where(j >= 8, hi, lo)
+        src = (j % 8) * 4
+        v = gl.inline_asm_elementwise(asm="shfl.sync.idx.b32 $0, $1, $2, 0x031f, 0xffffffff;", constraints="=r,r,r",
+                                      args=[v, src + gl.zeros_like(v.to(gl.int32, bitcast=True))],
+                                      dtype=gl.float32, is_pure=True, pack=1)
+        return gl.convert_layout(rows_joined(v, v), x.type.layout, assert_trivial=True)
 
     @gluon.jit
     def rows_joined(lo, hi):
