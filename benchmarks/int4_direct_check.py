@@ -28,9 +28,9 @@ from kvmesh.kernels.decode_int4_direct import decode_int4_direct  # noqa: E402
 from kvmesh.kernels.torch_ref import TorchBackend  # noqa: E402
 
 VARIANTS = {"default": {}, "nocap": dict(maxnreg=None), "cap128": dict(maxnreg=128), "cap144": dict(maxnreg=144),
-            "cap152": dict(maxnreg=152), "unfused": dict(fused=False), "nopf": dict(l2_prefetch=False)}
-# and "mod_<name>": the kernel of kernels/_<name>_int4_direct.py (git-ignored copies: "mod_baseline" an
-# earlier version, others an experiment), for side-by-side timing
+            "cap152": dict(maxnreg=152), "cap168": dict(maxnreg=168), "unfused": dict(fused=False), "nopf": dict(l2_prefetch=False)}
+# and "mod_<name>[:k=v,...]": the kernel of kernels/_<name>_int4_direct.py with those integer keyword
+# arguments (git-ignored copies: "mod_baseline" an earlier version, others an experiment)
 TOL = 2e-3
 log = kb.log
 
@@ -73,6 +73,15 @@ def case_inputs(batch: int, ctx: int, reps: int):
     return t_sdpa, cache, meta, case.qs[:, :, 0].contiguous(), kn, vn
 
 
+def variant(name: str):
+    """(decode function, keyword arguments) of a variant: a VARIANTS name, or mod_<name>[:k=v,...]."""
+    if not name.startswith("mod_"):
+        return decode_int4_direct, dict(VARIANTS[name])
+    mod, _, opts = name[4:].partition(":")  # a copy beside the shipped kernel, for a side-by-side timing
+    kw = {k: int(v) for k, v in (o.split("=") for o in opts.split(",") if o)}
+    return importlib.import_module(f"kvmesh.kernels._{mod}_int4_direct").decode_int4_direct, kw
+
+
 def timing(reps: int, variants: list[str]) -> list:
     rows = []
     for batch, ctx in kb.DECODE_CASES:
@@ -82,10 +91,7 @@ def timing(reps: int, variants: list[str]) -> list:
         t_old = kb.time_ms(lambda: decode_int4(cache, 0, q, kn, vn, meta, scale), reps)
         rows.append((f"{batch}x{ctx}", "tile kernel", t_old, t_sdpa / t_old, 0.0))
         for name in variants:
-            kw = dict(VARIANTS.get(name, {}))
-            fn = decode_int4_direct
-            if name.startswith("mod_"):  # a copy beside the shipped kernel, for a side-by-side timing
-                fn = importlib.import_module(f"kvmesh.kernels._{name[4:]}_int4_direct").decode_int4_direct
+            fn, kw = variant(name)
             try:
                 out = fn(cache, 0, q, kn, vn, meta, scale, **kw)
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()

@@ -1,14 +1,17 @@
 """What DRAM gives a paged read on this GPU: runs of R contiguous bytes at random places (as a decode
 kernel reads a page's K or V run per KV head), against the same runs in order, in one table:
 
-    python3 benchmarks/page_reads.py [--reps 15] [--quick]
+    python3 benchmarks/page_reads.py [--reps 15] [--quick] [--int4-pages]
 
 A plain Triton kernel sums 512 MB of runs; each program reads 64 KB of them, one run (or 2 KB of it)
 per load, the loop pipelined `stages` deep. Rows vary the run length (1 KB = an INT4 page's K run per
 head at D 128, block 16; 2 KB fp8/int8; 4 KB fp16), the runs' alignment (pad: bytes between runs, so
 64 leaves them 64-byte aligned as fp8 pages are: 32,768 bytes of codes + 64 of scales), and the
 program shape (warps x stages). The ratio column divides by the in-order 64 KB runs of the same
-shape, which stream like `torch.sum`. Results: docs/benchmarks.md.
+shape, which stream like `torch.sum`. With --int4-pages, instead: what an INT4 decode chunk reads of
+a page for one KV head (Llama-3-8B heads, block 16: K rows 1 KB, V rows 1 KB 8 KB further, the K
+record's 272 bytes and the V codes' 128), (page, head) pairs in random order, against the K and V
+rows alone. Results: docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -36,6 +39,65 @@ def runs_kernel(src, ids, out, stride, RUN: tl.constexpr, PIECE: tl.constexpr, P
     tl.store(out + pid, tl.sum(acc))
 
 
+@triton.jit
+def int4_chunk_kernel(src, ids, out, PAGE: tl.constexpr, REC: tl.constexpr, VC: tl.constexpr, SMALL: tl.constexpr,
+                      PER: tl.constexpr, STAGES: tl.constexpr):
+    """Program p sums, for the (page, head) pairs ids[p * PER:(p + 1) * PER], what an INT4 chunk reads
+    (int32 words): K rows (256 words at head * 256), V rows (8,192 bytes on), with SMALL the head's K
+    record (68 words at REC + head * 68) and its V codes (32 words at VC + head * 32)."""
+    pid = tl.program_id(0)
+    acc = tl.zeros([256], tl.int32)
+    w = tl.arange(0, 256)
+    for j in tl.range(0, PER, num_stages=STAGES):
+        pair = tl.load(ids + pid * PER + j)
+        base = src + (pair // 8).to(tl.int64) * (PAGE // 4)
+        head = pair % 8
+        acc += tl.load(base + head * 256 + w) + tl.load(base + 2048 + head * 256 + w)
+        if SMALL:
+            acc += tl.load(base + REC // 4 + head * 68 + w, mask=w < 68, other=0)
+            acc += tl.load(base + VC // 4 + head * 32 + w, mask=w < 32, other=0)
+    tl.store(out + pid, tl.sum(acc))
+
+
+def time_int4_pages(buf: torch.Tensor, small: bool, grouped: bool, warps: int, stages: int, reps: int) -> float:
+    """TB/s of useful bytes: every (page, head) pair of the buffer's pages once, pages in random order
+    (grouped: a page's 8 heads one after another, as the programs of a sequence meet them)."""
+    page, rec, vc = 19584, 16384, 18560  # one layer of an INT4 page, 8 KV heads, D 128, block 16
+    n_pages = TOTAL // page
+    per = 32
+    n = n_pages * 8 // per * per
+    g = torch.Generator(device="cuda").manual_seed(7)
+    if grouped:
+        ids = (torch.randperm(n_pages, device="cuda", generator=g)[:, None] * 8
+               + torch.arange(8, device="cuda")[None, :]).reshape(-1)[:n]
+    else:
+        ids = torch.randperm(n_pages * 8, device="cuda", generator=g)[:n]
+    ids = ids.to(torch.int32).contiguous()
+    out = torch.empty(n // per, dtype=torch.int32, device="cuda")
+
+    def call():
+        int4_chunk_kernel[(n // per,)](buf, ids, out, PAGE=page, REC=rec, VC=vc, SMALL=small, PER=per,
+                                       STAGES=stages, num_warps=warps)
+    t = kb.time_ms(call, reps)
+    return n * (2048 + (400 if small else 0)) / t / 1e9
+
+
+def int4_pages(buf: torch.Tensor, reps: int) -> None:
+    rows = []
+    for warps, stages in ((4, 3), (1, 3), (4, 1)):
+        ref = time_runs(buf, 65536, 0, "seq", warps, stages, reps)
+        for grouped in (False, True):
+            for small in (False, True):
+                tbs = time_int4_pages(buf, small, grouped, warps, stages, reps)
+                rows.append((warps, stages, grouped, small, tbs, tbs / ref))
+                kb.log(f"  {warps} x {stages}  grouped {grouped}  small runs {small}  {tbs:.2f} TB/s  {tbs / ref:.3f}")
+    print("\n| warps x stages | a page's heads | runs a (page, head) | TB/s | vs in-order 64 KB |")
+    print("|---|---|---|---|---|")
+    for w, st, gr, sm, tbs, ratio in rows:
+        runs = "K 1 KB, V 1 KB, K record 272 B, V codes 128 B" if sm else "K 1 KB, V 1 KB"
+        print(f"| {w} x {st} | {'together' if gr else 'apart'} | {runs} | {tbs:.2f} | {ratio:.3f} |")
+
+
 def time_runs(buf: torch.Tensor, run: int, pad: int, order: str, warps: int, stages: int, reps: int) -> float:
     """TB/s of useful bytes for one configuration."""
     per = max(1, 65536 // run)
@@ -58,10 +120,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--quick", action="store_true", help="run lengths 2 KB and 64 KB only")
+    ap.add_argument("--int4-pages", action="store_true", help="an INT4 chunk's four runs a (page, head)")
     a = ap.parse_args()
     read, _ = kb.read_bandwidth(5)
     kb.log(f"{torch.cuda.get_device_name()}: torch.sum read {read:.2f} TB/s")
     buf = torch.randint(0, 1 << 20, ((TOTAL + TOTAL // 8) // 4,), dtype=torch.int32, device="cuda")
+    if a.int4_pages:
+        int4_pages(buf, a.reps)
+        return
     runs = (2048, 65536) if a.quick else (1024, 2048, 4096, 16384, 65536)
     rows = []
     for warps, stages in ((4, 3), (1, 1), (1, 3), (4, 1)):
