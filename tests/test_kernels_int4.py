@@ -9,7 +9,8 @@ data per case. Tolerance: relative L2 <= 2e-3 (int4's budget in the issue); the 
 is ~1e-3 of that (fp16 rounding of q * s and p * s), the codes themselves are exact.
 GPU (`-m gpu`): a pool past 65,536 pages (byte offsets above 2**32) at Llama-3-8B heads; the
 register-direct kernel (`decode_int4_direct`, fp16 and bf16 models) over the same grid, with fused
-and second-launch split reductions, and `decode_attention`'s dispatch to it.
+and second-launch split reductions, queries from 10**-3 to 3,000 (the kernel scales q by a power of
+two), and `decode_attention`'s dispatch to it.
 """
 from __future__ import annotations
 
