@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 
 import kernels as kb  # benchmarks/kernels.py: timing (CUDA graphs, events, median), kvmesh on the path
+from kvmesh.kernels.int4_codec import HEADER  # noqa: E402  (bytes of a K record's headers)
+from kvmesh.kv.layout import BlockLayout  # noqa: E402
 
 TOTAL = 1 << 29  # bytes of runs read per launch
 
@@ -40,30 +42,34 @@ def runs_kernel(src, ids, out, stride, RUN: tl.constexpr, PIECE: tl.constexpr, P
 
 
 @triton.jit
-def int4_chunk_kernel(src, ids, out, PAGE: tl.constexpr, REC: tl.constexpr, VC: tl.constexpr, SMALL: tl.constexpr,
+def int4_chunk_kernel(src, ids, out, PAGE: tl.constexpr, V_OFF: tl.constexpr, REC: tl.constexpr, REC_BYTES: tl.constexpr,
+                      VC: tl.constexpr, VC_BYTES: tl.constexpr, ROWS: tl.constexpr, SMALL: tl.constexpr,
                       PER: tl.constexpr, STAGES: tl.constexpr):
     """Program p sums, for the (page, head) pairs ids[p * PER:(p + 1) * PER], what an INT4 chunk reads
-    (int32 words): K rows (256 words at head * 256), V rows (8,192 bytes on), with SMALL the head's K
-    record (68 words at REC + head * 68) and its V codes (32 words at VC + head * 32)."""
+    of a one-layer page (int32 words; offsets in bytes): the head's K rows (ROWS bytes from head *
+    ROWS), its V rows (V_OFF on), with SMALL its K record (REC_BYTES at REC + head * REC_BYTES) and its
+    V codes (VC_BYTES at VC + head * VC_BYTES)."""
     pid = tl.program_id(0)
-    acc = tl.zeros([256], tl.int32)
-    w = tl.arange(0, 256)
+    w = tl.arange(0, ROWS // 4)
+    acc = tl.zeros([ROWS // 4], tl.int32)
     for j in tl.range(0, PER, num_stages=STAGES):
         pair = tl.load(ids + pid * PER + j)
         base = src + (pair // 8).to(tl.int64) * (PAGE // 4)
         head = pair % 8
-        acc += tl.load(base + head * 256 + w) + tl.load(base + 2048 + head * 256 + w)
+        acc += tl.load(base + head * (ROWS // 4) + w) + tl.load(base + (V_OFF + head * ROWS) // 4 + w)
         if SMALL:
-            acc += tl.load(base + REC // 4 + head * 68 + w, mask=w < 68, other=0)
-            acc += tl.load(base + VC // 4 + head * 32 + w, mask=w < 32, other=0)
+            acc += tl.load(base + (REC + head * REC_BYTES) // 4 + w, mask=w < REC_BYTES // 4, other=0)
+            acc += tl.load(base + (VC + head * VC_BYTES) // 4 + w, mask=w < VC_BYTES // 4, other=0)
     tl.store(out + pid, tl.sum(acc))
 
 
 def time_int4_pages(buf: torch.Tensor, small: bool, grouped: bool, warps: int, stages: int, reps: int) -> float:
     """TB/s of useful bytes: every (page, head) pair of the buffer's pages once, pages in random order
     (grouped: a page's 8 heads one after another, as the programs of a sequence meet them)."""
-    page, rec, vc = 19584, 16384, 18560  # one layer of an INT4 page, 8 KV heads, D 128, block 16
-    n_pages = TOTAL // page
+    L = BlockLayout(num_layers=1, kv_heads=8, head_dim=128, block_size=16, kv_dtype="int4")  # Llama-3-8B heads
+    rows = L.block_size * L.head_dim // 2  # a head's K (or V) rows: one chunk at block 16
+    rec, vc = HEADER + 2 * L.head_dim, L.block_size * L.head_dim // 16  # a head's K record, its V codes
+    n_pages = TOTAL // L.layer_bytes
     per = 32
     n = n_pages * 8 // per * per
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -76,10 +82,11 @@ def time_int4_pages(buf: torch.Tensor, small: bool, grouped: bool, warps: int, s
     out = torch.empty(n // per, dtype=torch.int32, device="cuda")
 
     def call():
-        int4_chunk_kernel[(n // per,)](buf, ids, out, PAGE=page, REC=rec, VC=vc, SMALL=small, PER=per,
-                                       STAGES=stages, num_warps=warps)
+        int4_chunk_kernel[(n // per,)](buf, ids, out, PAGE=L.layer_bytes, V_OFF=L.v_data_offset, REC=L.k_scale_offset,
+                                       REC_BYTES=rec, VC=L.v_scale_offset, VC_BYTES=vc, ROWS=rows, SMALL=small,
+                                       PER=per, STAGES=stages, num_warps=warps)
     t = kb.time_ms(call, reps)
-    return n * (2048 + (400 if small else 0)) / t / 1e9
+    return n * (2 * rows + (rec + vc if small else 0)) / t / 1e9
 
 
 def int4_pages(buf: torch.Tensor, reps: int) -> None:

@@ -132,7 +132,7 @@ if HAVE_GLUON:
         return acc, accm + mm * v_ms, mb + sp * v_mb, l_i + sp
 
     @gluon.jit
-    def _page_offsets(pool_ptr, bt_row, p0, p_last, rr, cmo, rec, qp_op, sq, qk_q, page_stride, layer_off,
+    def _page_offsets(pool_ptr, bt_row, p0, p_last, rr, cmo, rec, q_op, sq, qk_q, page_stride, layer_off,
                       D: gl.constexpr):
         """q . m of 16 pages at once, m = cm m_step + m_base per channel (a page's score offset, the
         same for its every token), in log2 units: [16 pages, 8 heads] (MMA layout), page p0 + r in row r
@@ -142,9 +142,9 @@ if HAVE_GLUON:
         pb = page_base(pool_ptr, pages, page_stride, layer_off)
         cm = gl.load(pb.to(gl.pointer_type(gl.uint32), bitcast=True)[:, None] + cmo[None, :])  # [16, D/4]
         hk = gl.load(pb.to(gl.pointer_type(gl.uint64), bitcast=True) + rec // 8)
-        k_mb, k_ms, k_ss = _header(gl.convert_layout(hk, gl.SliceLayout(1, MMA), assert_trivial=True))
+        k_mb, k_ms, _ = _header(gl.convert_layout(hk, gl.SliceLayout(1, MMA), assert_trivial=True))
         cm_op = gl.convert_layout(logical_k(code_pairs(cm), D), A_OP, assert_trivial=True)
-        qm = mma_v2(cm_op, qp_op, gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA))  # sum q' (4 + cm / 256)
+        qm = mma_v2(cm_op, q_op, gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA))  # sum q' (4 + cm / 256)
         return (qm * (qk_q * 256.0 * k_ms)[:, None]
                 + sq * (qk_q * (k_mb - 1024.0 * k_ms))[:, None])
 
@@ -153,7 +153,7 @@ if HAVE_GLUON:
         """S^T [16 tokens, 8 heads] of a chunk of full pages, in log2 units; offset [16, 8]: the page's
         q . m (`_page_offsets`), every row alike; k_unit: the nibble and code units and the softmax
         scale, over q's power of two."""
-        k_mb, k_ms, k_ss = _header(hk)
+        _, _, k_ss = _header(hk)  # m_base, m_step: the page's offset (_page_offsets)
         # keys: q' * cs 2**-24 (a byte permute and a multiply a pair), nibbles n 2**-24: subnormals
         qs_op = b_operand(logical_k(scaled_code_pairs(cs, ql, qh), D), D)
         st = mma_v2(k_nibbles(kw, D), qs_op, gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA))
@@ -300,10 +300,12 @@ if HAVE_GLUON:
         LCM: gl.constexpr = words_layout(D // 4, 16)
         rr = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, LCM))
         cmo = (rec + HEADER) // 4 + D // 4 + gl.arange(0, D // 4, layout=gl.SliceLayout(0, LCM))
-        qp_op = b_operand(logical_k(q_pairs(ql, qh), D), D)
+        # q' as the B operand again, from the pair words' registers (live through the loop anyway), so
+        # that qp_op's own registers are not kept
+        q_op = b_operand(logical_k(q_pairs(ql, qh), D), D)
         p_last = last // CPP
         for p0 in range(lo // CPP, gl.cdiv(hi, CPP), CHUNK_C):
-            offsets = _page_offsets(pool_ptr, bt_row, p0, p_last, rr, cmo, rec, qp_op, sq, qk_q, page_stride,
+            offsets = _page_offsets(pool_ptr, bt_row, p0, p_last, rr, cmo, rec, q_op, sq, qk_q, page_stride,
                                     layer_off, D)
             for c in range(gl.maximum(lo, p0 * CPP), gl.minimum(hi, (p0 + CHUNK_C) * CPP)):
                 if L2PF:
