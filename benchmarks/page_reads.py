@@ -11,7 +11,8 @@ program shape (warps x stages). The ratio column divides by the in-order 64 KB r
 shape, which stream like `torch.sum`. With --int4-pages, instead: what an INT4 decode chunk reads of
 a page for one KV head (Llama-3-8B heads, block 16: K rows 1 KB, V rows 1 KB 8 KB further, the K
 record's 272 bytes and the V codes' 128), (page, head) pairs in random order, against the K and V
-rows alone. Results: docs/benchmarks.md.
+rows alone and against the same four runs side by side a head (a layout the format could take).
+Results: docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -42,13 +43,13 @@ def runs_kernel(src, ids, out, stride, RUN: tl.constexpr, PIECE: tl.constexpr, P
 
 
 @triton.jit
-def int4_chunk_kernel(src, ids, out, PAGE: tl.constexpr, V_OFF: tl.constexpr, REC: tl.constexpr, REC_BYTES: tl.constexpr,
-                      VC: tl.constexpr, VC_BYTES: tl.constexpr, ROWS: tl.constexpr, SMALL: tl.constexpr,
+def int4_chunk_kernel(src, ids, out, PAGE: tl.constexpr, K0: tl.constexpr, KH: tl.constexpr, V0: tl.constexpr,
+                      VH: tl.constexpr, R0: tl.constexpr, RH: tl.constexpr, REC_BYTES: tl.constexpr, C0: tl.constexpr,
+                      CH: tl.constexpr, VC_BYTES: tl.constexpr, ROWS: tl.constexpr, SMALL: tl.constexpr,
                       PER: tl.constexpr, STAGES: tl.constexpr):
     """Program p sums, for the (page, head) pairs ids[p * PER:(p + 1) * PER], what an INT4 chunk reads
-    of a one-layer page (int32 words; offsets in bytes): the head's K rows (ROWS bytes from head *
-    ROWS), its V rows (V_OFF on), with SMALL its K record (REC_BYTES at REC + head * REC_BYTES) and its
-    V codes (VC_BYTES at VC + head * VC_BYTES)."""
+    of a one-layer page (int32 words; offsets in bytes, each region at X0 + head * XH): the head's K
+    rows and V rows (ROWS bytes each), with SMALL its K record (REC_BYTES) and its V codes (VC_BYTES)."""
     pid = tl.program_id(0)
     w = tl.arange(0, ROWS // 4)
     acc = tl.zeros([ROWS // 4], tl.int32)
@@ -56,19 +57,22 @@ def int4_chunk_kernel(src, ids, out, PAGE: tl.constexpr, V_OFF: tl.constexpr, RE
         pair = tl.load(ids + pid * PER + j)
         base = src + (pair // 8).to(tl.int64) * (PAGE // 4)
         head = pair % 8
-        acc += tl.load(base + head * (ROWS // 4) + w) + tl.load(base + (V_OFF + head * ROWS) // 4 + w)
+        acc += tl.load(base + (K0 + head * KH) // 4 + w) + tl.load(base + (V0 + head * VH) // 4 + w)
         if SMALL:
-            acc += tl.load(base + (REC + head * REC_BYTES) // 4 + w, mask=w < REC_BYTES // 4, other=0)
-            acc += tl.load(base + (VC + head * VC_BYTES) // 4 + w, mask=w < VC_BYTES // 4, other=0)
+            acc += tl.load(base + (R0 + head * RH) // 4 + w, mask=w < REC_BYTES // 4, other=0)
+            acc += tl.load(base + (C0 + head * CH) // 4 + w, mask=w < VC_BYTES // 4, other=0)
     tl.store(out + pid, tl.sum(acc))
 
 
-def time_int4_pages(buf: torch.Tensor, small: bool, grouped: bool, warps: int, stages: int, reps: int) -> float:
+def time_int4_pages(buf: torch.Tensor, small: bool, grouped: bool, warps: int, stages: int, reps: int,
+                    by_head: bool = False) -> float:
     """TB/s of useful bytes: every (page, head) pair of the buffer's pages once, pages in random order
-    (grouped: a page's 8 heads one after another, as the programs of a sequence meet them)."""
+    (grouped: a page's 8 heads one after another, as the programs of a sequence meet them). by_head:
+    the same bytes, but each head's four runs side by side, [K rows | K record | V rows | V codes]
+    (a layout the format could take), instead of the regions of all heads one after another."""
     L = BlockLayout(num_layers=1, kv_heads=8, head_dim=128, block_size=16, kv_dtype="int4")  # Llama-3-8B heads
     rows = L.block_size * L.head_dim // 2  # a head's K (or V) rows: one chunk at block 16
-    rec, vc = HEADER + 2 * L.head_dim, L.block_size * L.head_dim // 16  # a head's K record, its V codes
+    rec, vc = HEADER.value + 2 * L.head_dim, L.block_size * L.head_dim // 16  # a head's K record, its V codes
     n_pages = TOTAL // L.layer_bytes
     per = 32
     n = n_pages * 8 // per * per
@@ -82,9 +86,14 @@ def time_int4_pages(buf: torch.Tensor, small: bool, grouped: bool, warps: int, s
     out = torch.empty(n // per, dtype=torch.int32, device="cuda")
 
     def call():
-        int4_chunk_kernel[(n // per,)](buf, ids, out, PAGE=L.layer_bytes, V_OFF=L.v_data_offset, REC=L.k_scale_offset,
-                                       REC_BYTES=rec, VC=L.v_scale_offset, VC_BYTES=vc, ROWS=rows, SMALL=small,
-                                       PER=per, STAGES=stages, num_warps=warps)
+        if by_head:
+            hs = 2 * rows + rec + vc
+            at = dict(K0=0, KH=hs, R0=rows, RH=hs, V0=rows + rec, VH=hs, C0=2 * rows + rec, CH=hs)
+        else:
+            at = dict(K0=0, KH=rows, V0=L.v_data_offset, VH=rows, R0=L.k_scale_offset, RH=rec, C0=L.v_scale_offset,
+                      CH=vc)
+        int4_chunk_kernel[(n // per,)](buf, ids, out, PAGE=L.layer_bytes, REC_BYTES=rec, VC_BYTES=vc, ROWS=rows,
+                                       SMALL=small, PER=per, STAGES=stages, num_warps=warps, **at)
     t = kb.time_ms(call, reps)
     return n * (2 * rows + (rec + vc if small else 0)) / t / 1e9
 
@@ -94,14 +103,16 @@ def int4_pages(buf: torch.Tensor, reps: int) -> None:
     for warps, stages in ((4, 3), (1, 3), (4, 1)):
         ref = time_runs(buf, 65536, 0, "seq", warps, stages, reps)
         for grouped in (False, True):
-            for small in (False, True):
-                tbs = time_int4_pages(buf, small, grouped, warps, stages, reps)
-                rows.append((warps, stages, grouped, small, tbs, tbs / ref))
-                kb.log(f"  {warps} x {stages}  grouped {grouped}  small runs {small}  {tbs:.2f} TB/s  {tbs / ref:.3f}")
+            for small, by_head in ((False, False), (True, False), (True, True)):
+                tbs = time_int4_pages(buf, small, grouped, warps, stages, reps, by_head)
+                rows.append((warps, stages, grouped, small, by_head, tbs, tbs / ref))
+                kb.log(f"  {warps} x {stages}  grouped {grouped}  small runs {small}  by head {by_head}  "
+                       f"{tbs:.2f} TB/s  {tbs / ref:.3f}")
     print("\n| warps x stages | a page's heads | runs a (page, head) | TB/s | vs in-order 64 KB |")
     print("|---|---|---|---|---|")
-    for w, st, gr, sm, tbs, ratio in rows:
+    for w, st, gr, sm, bh, tbs, ratio in rows:
         runs = "K 1 KB, V 1 KB, K record 272 B, V codes 128 B" if sm else "K 1 KB, V 1 KB"
+        runs += ", side by side a head" if bh else ""
         print(f"| {w} x {st} | {'together' if gr else 'apart'} | {runs} | {tbs:.2f} | {ratio:.3f} |")
 
 

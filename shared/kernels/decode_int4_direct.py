@@ -10,7 +10,7 @@ each eight's codes as channels 0 1 4 5 2 3 6 7, so a word holds the (c, c + 4) p
 normal number rounded once; the nibbles enter the MMA as fp16 subnormals n 2**-24 (one mask a pair,
 no conversion; the units join the scale: the H200's tensor cores take subnormal inputs exactly).
 q . m, the same for every token of a page, comes 16 pages at a time from one MMA over their m codes
-against q, at the top of every 16 pages; a chunk takes its page's row by one shuffle a register.
+against q, at the top of every 16 pages, into shared memory; a chunk loads its page's row.
 Values (per token t and 32-channel group: v = n s_t + m_t): the thread's channels lie in one group,
 so n s_t comes out of one fma a pair ((1024 + n) s - 1024 s, from the fp16 bit trick; odd channels,
 whose nibble sits 4 bits up, as 16 n s, the 16 taken off their output rows once), in units of
@@ -24,7 +24,10 @@ Loads: the next chunk's keys are issued once this chunk's scores are done and it
 values are, into the registers just freed (a whole chunk ahead they need a second set, and ptxas
 copies every word once a chunk), a thread's K (and V) words as one pack of vector loads at
 immediate offsets from one address; L2 is asked for the chunk after that (one prefetch a lane), so
-those loads find it there.
+those loads find it there. What stays the same through the loop and is read once a chunk (the q'
+pairs, sum(q'), the 16 pages' offsets) waits in shared memory, not in registers: 140 registers
+instead of 166, so ptxas has the room to issue the next chunk's loads before the softmax (under
+register pressure it sank them below it, and the keys then had only the values part as cover).
 
 Fragments, layouts and the PTX: `int4_fragments.py`. Splits, the fused split reduction, the
 residual tail (full precision, one masked chunk) and the new token as in `decode_direct.py`. SASS,
@@ -48,19 +51,18 @@ if HAVE_GLUON:
 
     from kvmesh.kernels.int4_fragments import (b_operand, code_pairs, k_nibbles, logical_k,
                                                logical_k_fp16, m_codes_operand, odd_rows_unit, pack_f16x2,
-                                               pair_words, q_pairs, row_halves, row_of, rows_joined,
+                                               pair_words, q_pairs, row_halves, rows_joined,
                                                scaled_code_pairs, v_code_pairs, v_codes_layout, v_nibbles,
                                                v_words_layout, words_layout)
     from kvmesh.kernels.split_partials import chunk_lines, page_base, prefetch_l2, store_output
     from kvmesh.kernels.mma_fragments import (A_OP, B_OP, CHUNK_C, MMA, halves, load_pack, tail_rows, to_fp16,
                                               v_layout, v_operand)
 
-MAXNREG = 168  # 12 one-warp programs per SM
-# or 16 at 128 registers, with a few spills (chunks 6 % slower, H200): taken where a launch of 12 a SM
-# would leave a part-full last wave (256 x 1,024: 2.00 against 1.83x SDPA)
+MAXNREG = 168  # a ceiling: at head_dim 128 the kernel takes 140 (14 one-warp programs per SM)
+# or 16 at 128 registers (no spills, but ptxas then issues the next chunk's loads after the softmax:
+# chunks ~6 % slower, H200): taken where 14 a SM would leave a part-full last wave (256 x 1,024)
 REGISTER_OPTIONS = ((MAXNREG, 1.0), (128, 1.06))
-# head_dim 64 (SmolLM2) fits 128 registers without spills: 16 programs an SM everywhere (1.58-1.62 ->
-# 1.65-1.66x SDPA at 64 x 4,096 and 256 x 1,024 with SmolLM2's heads, equal at the other cases)
+# head_dim 64 (SmolLM2) takes 112 under this cap, no spills: 18 programs an SM everywhere
 REGISTER_CAP_D64 = 128
 
 
@@ -244,11 +246,17 @@ if HAVE_GLUON:
                                gl.BlockedLayout([1, D // 4, 2], [8, 4, 1], [1, 1, 1], [2, 1, 0]))
         q8, q8_hi = gl.split(q8)  # heads 0-7 (rows 8-15 are padding)
         ql, qh = pair_words(q8)
-        ql = gl.convert_layout(ql, LCB)
-        qh = gl.convert_layout(qh, LCB)
+        # q' pairs, sum(q') and the pages' offsets wait in shared memory, read where they are used:
+        # held in registers through the loop (28 of them), they left ptxas too few to issue the next
+        # chunk's loads before this chunk's softmax, so those loads had only the values part as cover
+        SMEM: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])  # 16-byte units, rows apart: no conflicts
+        q_lo = gl.allocate_shared_memory(gl.uint32, [8, D // 4], SMEM, gl.convert_layout(ql, LCB))
+        q_hi = gl.allocate_shared_memory(gl.uint32, [8, D // 4], SMEM, gl.convert_layout(qh, LCB))
         ones = gl.where((cq % 2 == 1)[None, :], 16.0, 1.0).to(gl.float16) + gl.zeros([CHUNK_C, D], gl.float16, LQ)
         ones_op = gl.convert_layout(logical_k_fp16(ones, D), A_OP, assert_trivial=True)
         sq = mma_v2(ones_op, qp_op, gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA))  # [16, 8]: sum(q)
+        ROWS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        sq_s = gl.allocate_shared_memory(gl.float32, [CHUNK_C, 8], ROWS, sq)
 
         acc = gl.zeros([D, 8], gl.float32, layout=MMA)  # O^T of the n s part, x F
         accm, l_i = row_halves(gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA))  # [8 g, 8]: m_step sum p cm
@@ -296,23 +304,24 @@ if HAVE_GLUON:
             k0 = kvh * BS * (D // 2)  # a chunk's K and V rows (8 D bytes each), the head's K record, V codes
             lines, per_row = chunk_lines(k0, V_OFF + k0, KS_OFF + kvh * (HEADER + 2 * D), VS_OFF + kvh * BS * (D // 16),
                                          8 * D, 8 * D, HEADER + 2 * D, D, D // 2, D // 2, 0, D // 16)
-        # the pages' q . m, 16 pages at a time (_page_offsets); a chunk takes its page's row by a shuffle
+        # the pages' q . m, 16 pages at a time (_page_offsets); a chunk loads its page's row
         LCM: gl.constexpr = words_layout(D // 4, 16)
         rr = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, LCM))
         cmo = (rec + HEADER) // 4 + D // 4 + gl.arange(0, D // 4, layout=gl.SliceLayout(0, LCM))
-        # q' as the B operand again, from the pair words' registers (live through the loop anyway), so
-        # that qp_op's own registers are not kept
-        q_op = b_operand(logical_k(q_pairs(ql, qh), D), D)
         p_last = last // CPP
+        offsets = gl.allocate_shared_memory(gl.float32, [CHUNK_C, 8], ROWS)  # [16 pages, 8 heads]
+        page_rows = offsets._reinterpret(gl.float32, [CHUNK_C, 8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for p0 in range(lo // CPP, gl.cdiv(hi, CPP), CHUNK_C):
-            offsets = _page_offsets(pool_ptr, bt_row, p0, p_last, rr, cmo, rec, q_op, sq, qk_q, page_stride,
-                                    layer_off, D)
+            q_op = b_operand(logical_k(q_pairs(q_lo.load(LCB), q_hi.load(LCB)), D), D)
+            offsets.store(_page_offsets(pool_ptr, bt_row, p0, p_last, rr, cmo, rec, q_op, sq_s.load(MMA), qk_q,
+                                        page_stride, layer_off, D))
             for c in range(gl.maximum(lo, p0 * CPP), gl.minimum(hi, (p0 + CHUNK_C) * CPP)):
                 if L2PF:
                     prefetch_l2(pool_ptr, page2, gl.minimum(c + 2, last), lines, per_row, page_stride, layer_off, BS)
                 page3 = gl.load(bt_row + gl.minimum(c + 3, last) // CPP)
                 pb = page_base(pool_ptr, page1, page_stride, layer_off)
-                st = _scores(ql, qh, kw, cs, hk, row_of(offsets, c // CPP - p0), k_unit, D)
+                offset = page_rows.index(c // CPP - p0).load(HL)[None, :]  # the page's row, for all 16 tokens
+                st = _scores(q_lo.load(LCB), q_hi.load(LCB), kw, cs, hk, offset, k_unit, D)
                 kw, cs, hk = _load_keys(pb, gl.minimum(c + 1, last), ko, co, rec, BS, D)
                 acc, accm, mb, m_i, l_i, e_cur = _softmax_values(acc, accm, mb, m_i, l_i, e_cur, st, vw, vc, sel_s,
                                                                  sel_m, hv, D)

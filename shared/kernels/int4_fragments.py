@@ -144,11 +144,6 @@ if HAVE_GLUON:
         return _join4(c0, c1, c2, c3)
 
     @gluon.jit
-    def rows_twice(x):
-        """[8, N] -> [16, N] with rows r and r + 8 alike (registers shared, nothing computed twice)."""
-        return gl.reshape(gl.permute(gl.join(x, x), [2, 0, 1]), [2 * x.shape[0], x.shape[1]])
-
-    @gluon.jit
     def b_operand(x, D: gl.constexpr):
         """[8, D] (heads, logical channels) -> the B operand [D, 8] (nothing moves)."""
         return gl.convert_layout(gl.permute(x, [1, 0]), B_OP, assert_trivial=True)
@@ -233,19 +228,6 @@ if HAVE_GLUON:
     def row_halves(x):
         """[16, 8] (MMA layout) -> rows 0-7 and rows 8-15 as [8, 8] each (registers renamed only)."""
         return gl.split(gl.permute(gl.reshape(x, [2, 8, 8]), [1, 2, 0]))
-
-    @gluon.jit
-    def row_of(x, j):
-        """Row j (0-15, the same in every lane) of x [16, 8] fp32 (MMA layout) in every row: lanes
-        4 g + t hold rows g and g + 8, so each lane reads lane 4 (j % 8) + t (shfl with segment mask 3
-        keeps the lane's own low two bits), one shuffle a register."""
-        lo, hi = row_halves(x)
-        v = gl.where(j >= 8, hi, lo)
-        src = (j % 8) * 4
-        v = gl.inline_asm_elementwise(asm="shfl.sync.idx.b32 $0, $1, $2, 0x031f, 0xffffffff;", constraints="=r,r,r",
-                                      args=[v, src + gl.zeros_like(v.to(gl.int32, bitcast=True))],
-                                      dtype=gl.float32, is_pure=True, pack=1)
-        return gl.convert_layout(rows_joined(v, v), x.type.layout, assert_trivial=True)
 
     @gluon.jit
     def rows_joined(lo, hi):

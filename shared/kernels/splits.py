@@ -86,7 +86,7 @@ RESIDENCY = Residency()
 def resident_of(tag: str, kernel, args: dict, device: torch.device) -> int:
     """Programs per SM of `kernel` compiled for `args` (its partial-writing variant, the one that runs
     whenever splitting pays), read once per variant."""
-    key = (tag,) + tuple(v for n, v in args.items() if n.isupper() or n.startswith(("num_", "max"))) + (device,)
+    key = (tag, kernel) + tuple(v for n, v in args.items() if n.isupper() or n.startswith(("num_", "max"))) + (device,)
     one = torch.empty(1, dtype=torch.float32, device=device)  # warmup wraps only positional dtypes
     return RESIDENCY.get(key, device, lambda: kernel.warmup(**args, part_out_ptr=one, part_lse_ptr=one,
                                                             num_splits=2, PARTIAL=True, grid=(1,)))
