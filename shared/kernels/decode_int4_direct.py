@@ -247,7 +247,7 @@ if HAVE_GLUON:
         q8, q8_hi = gl.split(q8)  # heads 0-7 (rows 8-15 are padding)
         ql, qh = pair_words(q8)
         # q' pairs, sum(q') and the pages' offsets wait in shared memory, read where they are used:
-        # held in registers through the loop (28 of them), they left ptxas too few to issue the next
+        # held in registers through the loop (24 of them), they left ptxas too few to issue the next
         # chunk's loads before this chunk's softmax, so those loads had only the values part as cover
         SMEM: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])  # 16-byte units, rows apart: no conflicts
         q_lo = gl.allocate_shared_memory(gl.uint32, [8, D // 4], SMEM, gl.convert_layout(ql, LCB))
