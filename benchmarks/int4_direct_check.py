@@ -8,6 +8,8 @@ timing beside SDPA and the tile kernel (decode_int4.py), every variant in one ru
    second-launch reductions), pages >= 70,000 (byte offsets past 2**32).
 2. Decode 64x4096, 16x16384, 256x1024, 8x32768 as benchmarks/kernels.py times them (CUDA graph of
    10 calls, median of replays): speedup against SDPA over contiguous fp16 K/V.
+--split-sweep times forced split counts instead; --context-sweep one wave of programs at growing
+contexts (a program's fixed cost, and the streaming rate of the pages).
 """
 from __future__ import annotations
 
@@ -121,13 +123,48 @@ def split_sweep(reps: int, counts: list[int]) -> None:
         torch.cuda.empty_cache()
 
 
+def context_sweep(reps: int, contexts: list[int]) -> None:
+    """One wave of programs (12 an SM: sequences x KV heads, one split each, the 168-register build)
+    at growing contexts: time = a fixed cost a program + the pages' bytes at a streaming rate (a
+    least-squares line over the contexts of 1,024 tokens and more)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = sms * 12 // kb.KVH
+    times = []
+    for ctx in contexts:
+        case = kb.decode_case(batch, ctx)
+        cache = kb.filled_cache("int4", case.k_rows, case.v_rows, case.n_pages, case.perm)
+        meta = kb.decode_meta(batch, ctx, case.perm, cache.layout)
+        q = case.qs[:, :, 0].contiguous()
+        kn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=case.gen)
+        vn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=case.gen)
+        t = kb.time_ms(lambda: decode_int4_direct(cache, 0, q, kn, vn, meta, kb.D ** -0.5, splits=1, maxnreg=168),
+                       reps)
+        times.append(t * 1000)
+        log(f"  {batch} x {ctx}: {t * 1000:.1f} us")
+        page_head_bytes = cache.layout.layer_bytes // kb.KVH  # a head's share of a page (one layer)
+        del cache
+        torch.cuda.empty_cache()
+    fit = [(c, t) for c, t in zip(contexts, times) if c >= 1024] or list(zip(contexts, times))
+    mc, mt = sum(c for c, _ in fit) / len(fit), sum(t for _, t in fit) / len(fit)
+    per_token = (sum((c - mc) * (t - mt) for c, t in fit) / max(sum((c - mc) ** 2 for c, _ in fit), 1e-9))  # us
+    tbs = batch * kb.KVH * page_head_bytes / kb.BS / per_token / 1e6
+    print(f"\n| context | {' | '.join(str(c) for c in contexts)} |\n|---{'|---' * len(contexts)}|")
+    print(f"| us ({batch} x {kb.KVH} programs) | {' | '.join(f'{t:.1f}' for t in times)} |")
+    print(f"streaming {tbs:.2f} TB/s of page bytes; fixed cost a program {mt - per_token * mc:.1f} us "
+          f"(least squares over contexts >= 1024)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--variants", default="default,nocap,cap128,unfused")
     ap.add_argument("--skip-correctness", action="store_true")
     ap.add_argument("--split-sweep", default="", help="e.g. 1,2,3,4,8: time these split counts instead")
+    ap.add_argument("--context-sweep", default="", help="e.g. 16,256,1024,2048,4096: a wave's fixed cost and rate")
     args = ap.parse_args()
+    if args.context_sweep:
+        context_sweep(args.reps, [int(c) for c in args.context_sweep.split(",")])
+        return
     if args.split_sweep:
         split_sweep(args.reps, [int(c) for c in args.split_sweep.split(",")])
         return
