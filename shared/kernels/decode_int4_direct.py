@@ -58,11 +58,12 @@ if HAVE_GLUON:
     from kvmesh.kernels.mma_fragments import (A_OP, B_OP, CHUNK_C, MMA, halves, load_pack, tail_rows, to_fp16,
                                               v_layout, v_operand)
 
-MAXNREG = 168  # a ceiling: at head_dim 128 the kernel takes 140 (14 one-warp programs per SM)
+MAXNREG = 168  # a ceiling: at head_dim 128 the kernel takes 140 (still 12 one-warp programs per SM:
+# registers go by SM quarter, `splits.resident_programs`)
 # or 16 at 128 registers (no spills, but ptxas then issues the next chunk's loads after the softmax:
-# chunks ~6 % slower, H200): taken where 14 a SM would leave a part-full last wave (256 x 1,024)
+# chunks ~6 % slower, H200): taken where 12 a SM would leave a part-full last wave (256 x 1,024)
 REGISTER_OPTIONS = ((MAXNREG, 1.0), (128, 1.06))
-# head_dim 64 (SmolLM2) takes 112 under this cap, no spills: 18 programs an SM everywhere
+# head_dim 64 (SmolLM2) takes 112 under this cap, no spills: 16 programs an SM everywhere
 REGISTER_CAP_D64 = 128
 
 
@@ -310,6 +311,7 @@ if HAVE_GLUON:
         cmo = (rec + HEADER) // 4 + D // 4 + gl.arange(0, D // 4, layout=gl.SliceLayout(0, LCM))
         p_last = last // CPP
         offsets = gl.allocate_shared_memory(gl.float32, [CHUNK_C, 8], ROWS)  # [16 pages, 8 heads]
+        # the same bytes as rows: index() wants a layout a rank below the shape, the [16, 8] store a full one
         page_rows = offsets._reinterpret(gl.float32, [CHUNK_C, 8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for p0 in range(lo // CPP, gl.cdiv(hi, CPP), CHUNK_C):
             q_op = b_operand(logical_k(q_pairs(q_lo.load(LCB), q_hi.load(LCB)), D), D)
