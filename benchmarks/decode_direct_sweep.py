@@ -24,11 +24,9 @@ import torch
 
 import kernels as kb  # benchmarks/kernels.py (puts kvmesh on the path too)
 from kvmesh.kernels.decode_attention import decode_attention
-from kvmesh.kernels.decode_direct import PageLoads, decode_direct
+from kvmesh.kernels.decode_direct import decode_direct
 
-OLD = PageLoads(k_sectors=False, l2_prefetch=0, heads_first=False)  # the loads before 2026-12-01 evening
-VARIANTS_8 = [("plain loads", dict(loads=OLD)), ("K sectors + L2 128B", dict(loads=PageLoads(True, 128, False))),
-              ("default", dict()), ("bf16 model, plain loads", dict(bf16=True, loads=OLD)),
+VARIANTS_8 = [("default", dict()), ("tail first", dict(tail_first=True)), ("tail last", dict(tail_first=False)),
               ("bf16 model", dict(bf16=True))]
 VARIANTS_16 = [("plain", dict(plain=True, heads_first=False)), ("plain heads first", dict(plain=True, heads_first=True))]
 

@@ -9,7 +9,7 @@ timing beside SDPA and the tile kernel (decode_int4.py), every variant in one ru
 2. Decode 64x4096, 16x16384, 256x1024, 8x32768 as benchmarks/kernels.py times them (CUDA graph of
    10 calls, median of replays): speedup against SDPA over contiguous fp16 K/V.
 --split-sweep times forced split counts instead; --context-sweep one wave of programs at growing
-contexts (a program's fixed cost, and the streaming rate of the pages).
+contexts, for each of --variants (a program's fixed cost, and the streaming rate of the pages).
 """
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ from kvmesh.kernels.decode_int4_direct import decode_int4_direct  # noqa: E402
 from kvmesh.kernels.torch_ref import TorchBackend  # noqa: E402
 
 VARIANTS = {"default": {}, "nocap": dict(maxnreg=None), "cap128": dict(maxnreg=128), "cap144": dict(maxnreg=144),
-            "cap152": dict(maxnreg=152), "cap168": dict(maxnreg=168), "unfused": dict(fused=False), "nopf": dict(l2_prefetch=False)}
+            "cap152": dict(maxnreg=152), "cap168": dict(maxnreg=168), "unfused": dict(fused=False), "nopf": dict(l2_prefetch=False),
+            "tail_last": dict(tail_first=False)}
 # and "mod_<name>[:k=v,...]": the kernel of kernels/_<name>_int4_direct.py with those integer keyword
 # arguments (git-ignored copies: "mod_baseline" an earlier version, others an experiment)
 TOL = 2e-3
@@ -45,7 +46,9 @@ def correctness() -> bool:
     grid = [(4, 128, 16, torch.float16), (1, 128, 16, torch.float16), (8, 64, 32, torch.float16),
             (3, 64, 16, torch.float16), (4, 128, 32, torch.bfloat16), (4, 256, 16, torch.float16)]
     for gqa, d, bs, dt in grid:
-        runs = [({}, {}), ({}, dict(splits=7)), ({}, dict(splits=3)), ({}, dict(l2_prefetch=False)), ({}, dict(l2_prefetch=False, splits=3)), (dict(first_page=70_000, num_layers=1, layer=0), {})]
+        runs = [({}, {}), ({}, dict(splits=7)), ({}, dict(splits=3)), ({}, dict(l2_prefetch=False)),
+                ({}, dict(l2_prefetch=False, splits=3)), ({}, dict(tail_first=False)), ({}, dict(tail_first=False, splits=3)),
+                ({}, dict(tail_first=False, splits=7, fused=False)), (dict(first_page=70_000, num_layers=1, layer=0), {})]
         for extra, kw in runs:
             try:
                 case = dict(kv_heads=8, device="cuda", model_dtype=dt, **extra)
@@ -123,13 +126,13 @@ def split_sweep(reps: int, counts: list[int]) -> None:
         torch.cuda.empty_cache()
 
 
-def context_sweep(reps: int, contexts: list[int]) -> None:
+def context_sweep(reps: int, contexts: list[int], variants: list[str]) -> None:
     """One wave of programs (12 an SM: sequences x KV heads, one split each, the 168-register build)
     at growing contexts: time = a fixed cost a program + the pages' bytes at a streaming rate (a
-    least-squares line over the contexts of 1,024 tokens and more)."""
+    least-squares line over the contexts of 1,024 tokens and more), for each variant."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     batch = sms * 12 // kb.KVH
-    times = []
+    times: dict = {v: [] for v in variants}
     for ctx in contexts:
         case = kb.decode_case(batch, ctx)
         cache = kb.filled_cache("int4", case.k_rows, case.v_rows, case.n_pages, case.perm)
@@ -137,21 +140,24 @@ def context_sweep(reps: int, contexts: list[int]) -> None:
         q = case.qs[:, :, 0].contiguous()
         kn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=case.gen)
         vn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=case.gen)
-        t = kb.time_ms(lambda: decode_int4_direct(cache, 0, q, kn, vn, meta, kb.D ** -0.5, splits=1, maxnreg=168),
-                       reps)
-        times.append(t * 1000)
-        log(f"  {batch} x {ctx}: {t * 1000:.1f} us")
+        for name in variants:
+            fn, kw = variant(name)
+            kw = dict(kw, splits=1, maxnreg=168)
+            t = kb.time_ms(lambda: fn(cache, 0, q, kn, vn, meta, kb.D ** -0.5, **kw), reps)
+            times[name].append(t * 1000)
+            log(f"  {name} {batch} x {ctx}: {t * 1000:.1f} us")
         page_head_bytes = cache.layout.layer_bytes // kb.KVH  # a head's share of a page (one layer)
         del cache
         torch.cuda.empty_cache()
-    fit = [(c, t) for c, t in zip(contexts, times) if c >= 1024] or list(zip(contexts, times))
-    mc, mt = sum(c for c, _ in fit) / len(fit), sum(t for _, t in fit) / len(fit)
-    per_token = (sum((c - mc) * (t - mt) for c, t in fit) / max(sum((c - mc) ** 2 for c, _ in fit), 1e-9))  # us
-    tbs = batch * kb.KVH * page_head_bytes / kb.BS / per_token / 1e6
-    print(f"\n| context | {' | '.join(str(c) for c in contexts)} |\n|---{'|---' * len(contexts)}|")
-    print(f"| us ({batch} x {kb.KVH} programs) | {' | '.join(f'{t:.1f}' for t in times)} |")
-    print(f"streaming {tbs:.2f} TB/s of page bytes; fixed cost a program {mt - per_token * mc:.1f} us "
-          f"(least squares over contexts >= 1024)")
+    print(f"\n| variant | {' | '.join(str(c) for c in contexts)} | TB/s | fixed us |\n|---{'|---' * (len(contexts) + 2)}|")
+    for name, ts in times.items():
+        fit = [(c, t) for c, t in zip(contexts, ts) if c >= 1024] or list(zip(contexts, ts))
+        mc, mt = sum(c for c, _ in fit) / len(fit), sum(t for _, t in fit) / len(fit)
+        per_token = (sum((c - mc) * (t - mt) for c, t in fit) / max(sum((c - mc) ** 2 for c, _ in fit), 1e-9))  # us
+        tbs = batch * kb.KVH * page_head_bytes / kb.BS / per_token / 1e6
+        print(f"| {name} ({batch} x {kb.KVH} programs, us) | {' | '.join(f'{t:.1f}' for t in ts)} | {tbs:.2f} | "
+              f"{mt - per_token * mc:.1f} |")
+    print("(TB/s: page bytes streamed; fixed: a program's fixed cost, least squares over contexts >= 1024)")
 
 
 def main() -> None:
@@ -163,7 +169,7 @@ def main() -> None:
     ap.add_argument("--context-sweep", default="", help="e.g. 16,256,1024,2048,4096: a wave's fixed cost and rate")
     args = ap.parse_args()
     if args.context_sweep:
-        context_sweep(args.reps, [int(c) for c in args.context_sweep.split(",")])
+        context_sweep(args.reps, [int(c) for c in args.context_sweep.split(",")], args.variants.split(","))
         return
     if args.split_sweep:
         split_sweep(args.reps, [int(c) for c in args.split_sweep.split(",")])

@@ -304,6 +304,10 @@ def test_gpu_direct_reductions(kv, gqa, head_dim, bs):
         for splits, fused in ((3, None), (4, None), (7, True), (16, None)):
             check(kv, gqa, head_dim, bs, lens, [1] * len(lens), kv_heads=8, device="cuda", num_layers=2,
                   model_dtype=model, seed=splits, attend=lambda *a: decode_direct(*a, splits=splits, fused=fused))
+        for splits, tail_first in ((1, True), (3, True), (3, False), (7, True)):  # the tail before or after the pages
+            check(kv, gqa, head_dim, bs, lens, [1] * len(lens), kv_heads=8, device="cuda", num_layers=2,
+                  model_dtype=model, seed=splits + 1,
+                  attend=lambda *a: decode_direct(*a, splits=splits, tail_first=tail_first))
 
 
 @pytest.mark.gpu

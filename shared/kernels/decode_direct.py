@@ -116,6 +116,18 @@ if HAVE_GLUON:
         return _step(acc, m_i, l_i, st, v_operand(vf, D), vs)
 
     @gluon.jit
+    def _tail(acc, m_i, l_i, q_op, kcorr, k_new, v_new, res_k, n_tail, tk, ck, tv, cv, qk_scale, CMAX: gl.constexpr,
+              KVH: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, BF16: gl.constexpr, KSEC: gl.constexpr):
+        """The residual tail (n_tail tokens at res_k, full precision) and the new token (k_new / v_new
+        [D]) into the state, in masked 16-token chunks."""
+        for t0 in range(0, n_tail + 1, CHUNK_C):
+            kf, vf, fk, fv = tail_rows(k_new, v_new, res_k, t0, n_tail, tk, ck, tv, cv, KVH, BS, D, BF16)
+            valid = (t0 + gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, MMA))) <= n_tail
+            acc, m_i, l_i = _chunk(acc, m_i, l_i, q_op, kcorr, kf, vf, fk, CMAX * fv, qk_scale, valid, True, False,
+                                   D, KSEC)
+        return acc, m_i, l_i
+
+    @gluon.jit
     def _load_chunk(pool_ptr, bt_row, chunk, kvh, page_stride, layer_off, ko, vo, KS_OFF: gl.constexpr,
                     VS_OFF: gl.constexpr, FMT: gl.constexpr, BS: gl.constexpr, D: gl.constexpr,
                     KSEC: gl.constexpr, L2PF: gl.constexpr):
@@ -177,6 +189,7 @@ if HAVE_GLUON:
         KSEC: gl.constexpr = False,  # K loads in whole 32-byte sectors (mma_fragments.k_layout)
         L2PF: gl.constexpr = 0,  # page loads ask L2 for this many bytes around them (0: plain loads)
         HEADS_FIRST: gl.constexpr = False,  # grid (KVH, B, splits): a sequence's heads are launched together
+        TAIL_FIRST: gl.constexpr = False,  # the last split takes its tail while its first chunk loads
     ):
         LK: gl.constexpr = k_layout(D, False, KSEC)
         LV: gl.constexpr = v_layout(D, False)
@@ -189,6 +202,10 @@ if HAVE_GLUON:
         kvh = gl.program_id(0) if HEADS_FIRST else gl.program_id(1)
         split = gl.program_id(2)
         prefix = gl.load(prefix_lens_ptr + b)
+        slot = gl.load(residual_slots_ptr + b).to(gl.int64)  # the residual tail's (read by the last split)
+        res_k = res_ptr + slot * slot_stride + res_layer_off + kvh * BS * D
+        k_new = k_ptr + b.to(gl.int64) * stride_kb + kvh * D
+        v_new = v_ptr + b.to(gl.int64) * stride_vb + kvh * D
         tk = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, LK))
         ck = gl.arange(0, D, layout=gl.SliceLayout(0, LK))
         tv = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, LV))
@@ -228,6 +245,10 @@ if HAVE_GLUON:
         vo = V_OFF // 4 + ((kvh * BS + tvw) * (D // 4))[:, None] + wv[None, :]
         kb, vb, ks, vs = _load_chunk(pool_ptr, bt_row, gl.minimum(lo, gl.maximum(n_chunks - 1, 0)), kvh,
                                      page_stride, layer_off, ko, vo, KS_OFF, VS_OFF, FMT, BS, D, KSEC, L2PF)
+        if TAIL_FIRST:  # while the first chunk loads: the tail's round trips overlap the pages' first ones
+            if split == num_splits - 1:
+                acc, m_i, l_i = _tail(acc, m_i, l_i, q_op, kcorr, k_new, v_new, res_k, prefix % BS, tk, ck, tv, cv,
+                                      qk_scale, CMAX, KVH, BS, D, BF16, KSEC)
         for c in range(lo, hi):
             kb_n, vb_n, ks_n, vs_n = _load_chunk(pool_ptr, bt_row, gl.minimum(c + 1, hi - 1), kvh, page_stride,
                                                  layer_off, ko, vo, KS_OFF, VS_OFF, FMT, BS, D, KSEC, L2PF)
@@ -237,17 +258,10 @@ if HAVE_GLUON:
             kb, vb, ks, vs = kb_n, vb_n, ks_n, vs_n
 
         # 2. the last split: residual tail (prefix % BS tokens, fp16) and the new token, masked
-        if split == num_splits - 1:
-            n_tail = prefix % BS
-            slot = gl.load(residual_slots_ptr + b).to(gl.int64)
-            res_k = res_ptr + slot * slot_stride + res_layer_off + kvh * BS * D
-            for t0 in range(0, n_tail + 1, CHUNK_C):
-                kf, vf, fk, fv = tail_rows(k_ptr + b.to(gl.int64) * stride_kb + kvh * D,
-                                           v_ptr + b.to(gl.int64) * stride_vb + kvh * D, res_k, t0, n_tail, tk, ck,
-                                           tv, cv, KVH, BS, D, BF16)
-                valid = (t0 + gl.arange(0, CHUNK_C, layout=TL)) <= n_tail
-                acc, m_i, l_i = _chunk(acc, m_i, l_i, q_op, kcorr, kf, vf, fk, CMAX * fv, qk_scale, valid, True,
-                                       False, D, KSEC)
+        if not TAIL_FIRST:
+            if split == num_splits - 1:
+                acc, m_i, l_i = _tail(acc, m_i, l_i, q_op, kcorr, k_new, v_new, res_k, prefix % BS, tk, ck, tv, cv,
+                                      qk_scale, CMAX, KVH, BS, D, BF16, KSEC)
 
         # 3. normalize, back to memory channel order, store
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
@@ -263,29 +277,32 @@ MAXNREG = 128  # 16 one-warp programs per SM (D <= 128); uncapped, int8's prefet
 
 @dataclass(frozen=True)
 class PageLoads:
-    """How a program reads its pages (kernel constexprs KSEC, L2PF, HEADS_FIRST)."""
+    """How a program reads its pages (kernel constexprs KSEC, L2PF, HEADS_FIRST, TAIL_FIRST)."""
 
     k_sectors: bool = True  # K loads in whole 32-byte sectors (mma_fragments.k_layout SEC)
     l2_prefetch: int = 128  # bytes L2 fetches around each page load (ld.global.L2::<n>B; 0: none)
     heads_first: bool = True  # grid (KVH, B, splits): a sequence's KV heads launched side by side
+    tail_first: bool = True  # the last split reads its residual tail while its first chunk loads
 
 
 # H200, two runs of benchmarks/decode_direct_sweep.py (docs/decode_direct.md): fp8 +0.3-1.3 % at three
-# cases with all three; int8 with them -0.6-+0.2 % (its K sectors + hints alone spill and lose 1.5-4 %)
-LOADS = {FMT_E4M3: PageLoads(), FMT_E5M2: PageLoads(), FMT_INT8: PageLoads(False, 0, False)}
+# cases with all three; int8 with them -0.6-+0.2 % (its K sectors + hints alone spill and lose 1.5-4 %).
+# The tail first: fp8 +0.5-0.7 % at three cases (equal at 256 x 1,024), int8 -0.7-1.5 % at two
+LOADS = {FMT_E4M3: PageLoads(), FMT_E5M2: PageLoads(), FMT_INT8: PageLoads(False, 0, False, False)}
 
 
 def decode_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float, *,
                   splits: int | None = None, fused: bool | None = None, maxnreg: int | None = None,
-                  loads: PageLoads | None = None) -> torch.Tensor:
+                  loads: PageLoads | None = None, tail_first: bool | None = None) -> torch.Tensor:
     """out [B, H, D] for q [B, H, D] fp16 or bf16 (one new token per sequence; k/v [B, KVH, D] its new
     K/V) over 8-bit pages; `supports` must hold and the caller (`decode_attention`) has checked the
     arguments. `splits` overrides the split count (from shapes and the compiled kernel's residency),
     `fused` whether the last split reduces (None: up to FUSED_MAX_SPLITS splits), `maxnreg` the
-    register cap, `loads` the format's entry in LOADS."""
+    register cap, `loads` the format's entry in LOADS, `tail_first` whether the last split takes its
+    tail before its pages (None: as `loads` says)."""
     fmt = FMT_CODES[cache.layout.kv_dtype]
     cap = maxnreg or (MAXNREG if q.shape[2] <= 128 else None)
     lo = loads or LOADS[fmt]
     return launch_direct(decode_direct_kernel, "direct", cache, layer, q, k, v, meta, scale, splits=splits,
                          fused=fused, maxnreg=cap, FMT=fmt, CMAX=CODE_MAX[fmt], KSEC=lo.k_sectors,
-                         L2PF=lo.l2_prefetch, HEADS_FIRST=lo.heads_first and q.shape[0] < 65536)
+                         L2PF=lo.l2_prefetch, HEADS_FIRST=lo.heads_first and q.shape[0] < 65536, TAIL_FIRST=lo.tail_first if tail_first is None else tail_first)

@@ -177,6 +177,36 @@ if HAVE_GLUON:
                                      D)
         return acc, accm, mb, m_new, l_i, e_new
 
+    @gluon.jit
+    def _tail(acc, m_i, l_i, q_rows, g_rows, k_new, v_new, res_k, n_tail, tq, cq, qk_scale, KVH: gl.constexpr,
+              BS: gl.constexpr, D: gl.constexpr, BF16: gl.constexpr):
+        """The residual tail (n_tail tokens at res_k, full precision) and the new token (k_new / v_new
+        [D]) into acc [D, 8] (plain units), m_i and l_i ([8], HL), in masked 16-token chunks; also
+        returns the product of the rescales, for the m parts' sums."""
+        LV: gl.constexpr = v_layout(D, False)
+        tv = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, LV))
+        cv = gl.arange(0, D, layout=gl.SliceLayout(0, LV))
+        qt = gl.load(q_rows, mask=(tq < g_rows)[:, None], other=0.0)
+        if BF16:  # the same power of two as the pages' q (qk_scale has it)
+            qt, fq = to_fp16(qt, tq < g_rows)
+        q_op = b_operand(halves(logical_k_fp16(qt.to(gl.float16), D)), D)
+        alpha_all = gl.full(m_i.shape, 1.0, gl.float32, layout=m_i.type.layout)
+        for t0 in range(0, n_tail + 1, CHUNK_C):
+            kf, vf, fk, fv = tail_rows(k_new, v_new, res_k, t0, n_tail, tq, cq, tv, cv, KVH, BS, D, BF16)
+            k_op = gl.convert_layout(logical_k_fp16(kf, D), A_OP, assert_trivial=True)
+            st = mma_v2(k_op, q_op, gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA)) * (qk_scale * fk)
+            valid = (t0 + gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, MMA))) <= n_tail
+            st = gl.where(valid[:, None], st, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(st, axis=0))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(st - m_new[None, :])
+            l_i = l_i * alpha + gl.sum(p, axis=0)
+            pt = gl.convert_layout((p * fv).to(gl.float16), B_OP)
+            acc = mma_v2(v_operand(vf, D), pt, acc * alpha[None, :])
+            alpha_all = alpha_all * alpha
+            m_i = m_new
+        return acc, m_i, l_i, alpha_all
+
     @gluon.jit(do_not_specialize=["num_splits"])
     def decode_int4_direct_kernel(
         q_ptr,  # fp16 or bf16 [B, H, D] new queries
@@ -203,6 +233,7 @@ if HAVE_GLUON:
         FUSED: gl.constexpr, BF16: gl.constexpr,
         L2PF: gl.constexpr,  # ask L2 for chunk c + 2 while chunk c + 1 loads
         RMAX: gl.constexpr = 4,  # FUSED: partials the reduction unrolls over (a power of two >= splits)
+        TAIL_FIRST: gl.constexpr = False,  # the last split takes its tail while its first chunk loads
     ):
         LKW: gl.constexpr = words_layout(D // 8, 16)
         LVW: gl.constexpr = v_words_layout(D)
@@ -214,6 +245,10 @@ if HAVE_GLUON:
         kvh = gl.program_id(1)
         split = gl.program_id(2)
         prefix = gl.load(prefix_lens_ptr + b)
+        slot = gl.load(residual_slots_ptr + b).to(gl.int64)  # the residual tail's (read by the last split)
+        res_k = res_ptr + slot * slot_stride + res_layer_off + kvh * BS * D
+        k_new = k_ptr + b.to(gl.int64) * stride_kb + kvh * D
+        v_new = v_ptr + b.to(gl.int64) * stride_vb + kvh * D
         tk = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, LKW))
         wk = gl.arange(0, D // 8, layout=gl.SliceLayout(0, LKW))
         tv = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, LVW))
@@ -301,6 +336,13 @@ if HAVE_GLUON:
         vw, vc, hv = _load_values(pb, c0, vo, so, rec, BS, D)
         page1 = gl.load(bt_row + gl.minimum(lo + 1, last) // CPP)
         page2 = gl.load(bt_row + gl.minimum(lo + 2, last) // CPP)
+        if TAIL_FIRST:  # while the first chunk loads: the tail's round trips overlap the pages' first ones
+            if split == num_splits - 1:
+                acc_t, m_i, l_t, _ = _tail(gl.zeros([D, 8], gl.float32, layout=MMA), m_i, gl.zeros_like(m_i), q_rows,
+                                           g_rows, k_new, v_new, res_k, prefix % BS, tq, cq, qk_scale, KVH, BS, D, BF16)
+                rows = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
+                acc = acc_t / odd_rows_unit(rows)[:, None]  # into the pages' units (F = 1 at e_cur 124)
+                l_i = l_i + gl.convert_layout(l_t, gl.SliceLayout(0, l_i.type.layout), assert_trivial=True)[None, :]
         if L2PF:
             k0 = kvh * BS * (D // 2)  # a chunk's K and V rows (8 D bytes each), the head's K record, V codes
             lines, per_row = chunk_lines(k0, V_OFF + k0, KS_OFF + kvh * (HEADER + 2 * D), VS_OFF + kvh * BS * (D // 16),
@@ -336,35 +378,12 @@ if HAVE_GLUON:
         l_i = gl.convert_layout(gl.max(l_i, axis=0), HL)
         mb = gl.convert_layout(gl.max(mb, axis=0), HL)
 
-        # the last split: residual tail (prefix % BS tokens, full precision) and the new token, masked
-        if split == num_splits - 1:
-            LV: gl.constexpr = v_layout(D, False)
-            tv2 = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, LV))
-            cv2 = gl.arange(0, D, layout=gl.SliceLayout(0, LV))
-            qt = gl.load(q_rows, mask=(tq < g_rows)[:, None], other=0.0)
-            if BF16:
-                qt, fq2 = to_fp16(qt, tq < g_rows)
-            q_op = b_operand(halves(logical_k_fp16(qt.to(gl.float16), D)), D)
-            n_tail = prefix % BS
-            slot = gl.load(residual_slots_ptr + b).to(gl.int64)
-            res_k = res_ptr + slot * slot_stride + res_layer_off + kvh * BS * D
-            for t0 in range(0, n_tail + 1, CHUNK_C):
-                kf, vf, fk, fv = tail_rows(k_ptr + b.to(gl.int64) * stride_kb + kvh * D,
-                                           v_ptr + b.to(gl.int64) * stride_vb + kvh * D, res_k, t0, n_tail, tq, cq,
-                                           tv2, cv2, KVH, BS, D, BF16)
-                k_op = gl.convert_layout(logical_k_fp16(kf, D), A_OP, assert_trivial=True)
-                st = mma_v2(k_op, q_op, gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA)) * (qk_scale * fk)
-                valid = (t0 + gl.arange(0, CHUNK_C, layout=TL)) <= n_tail
-                st = gl.where(valid[:, None], st, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(st, axis=0))
-                alpha = gl.exp2(m_i - m_new)
-                p = gl.exp2(st - m_new[None, :])
-                l_i = l_i * alpha + gl.sum(p, axis=0)
-                pt = gl.convert_layout((p * fv).to(gl.float16), B_OP)
-                acc = mma_v2(v_operand(vf, D), pt, acc * alpha[None, :])
+        if not TAIL_FIRST:  # the last split: residual tail (prefix % BS tokens, full precision) and the new token
+            if split == num_splits - 1:
+                acc, m_i, l_i, alpha = _tail(acc, m_i, l_i, q_rows, g_rows, k_new, v_new, res_k, prefix % BS, tq, cq,
+                                             qk_scale, KVH, BS, D, BF16)
                 accm = accm * alpha[None, :]
                 mb = mb * alpha
-                m_i = m_new
 
         # 3. add the m parts, normalize, back to memory channel order, store
         acc3 = gl.reshape(acc, [D // CHUNK_C, CHUNK_C, 8])  # [m-tile, row in tile, head]
@@ -380,14 +399,15 @@ if HAVE_GLUON:
 def decode_int4_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float, *,
                        splits: int | None = None, fused: bool | None = None,
                        maxnreg: int | None = -1,
-                       l2_prefetch: bool = True) -> torch.Tensor:
+                       l2_prefetch: bool = True, tail_first: bool = True) -> torch.Tensor:
     """out [B, H, D] for q [B, H, D] fp16 or bf16 (one new token per sequence; k/v [B, KVH, D] its new
     K/V) over int4 pages; `supports` must hold and the caller has checked the arguments. `splits`
     overrides the split count, `fused` whether the last split reduces (None: up to
     FUSED_MAX_SPLITS), `maxnreg` the register cap (-1: REGISTER_CAP_D64 at head_dim 64, at 128
-    REGISTER_OPTIONS, the cheaper for the shape; None: none)."""
+    REGISTER_OPTIONS, the cheaper for the shape; None: none), `tail_first` whether the last split
+    takes its tail before its pages."""
     if maxnreg == -1:  # head_dim 256 spills under any cap
         maxnreg = {64: REGISTER_CAP_D64, 128: REGISTER_OPTIONS}.get(q.shape[2])
     return launch_direct(decode_int4_direct_kernel, "int4-direct", cache, layer, q, k, v, meta, scale,
                          splits=splits, fused=fused, maxnreg=maxnreg,
-                         L2PF=l2_prefetch)
+                         L2PF=l2_prefetch, TAIL_FIRST=tail_first)
