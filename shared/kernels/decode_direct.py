@@ -263,12 +263,10 @@ if HAVE_GLUON:
                 acc, m_i, l_i = _tail(acc, m_i, l_i, q_op, kcorr, k_new, v_new, res_k, prefix % BS, tk, ck, tv, cv,
                                       qk_scale, CMAX, KVH, BS, D, BF16, KSEC)
 
-        # 3. normalize, back to memory channel order, store
+        # 3. normalize, store (in memory channel order)
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
         o = acc * gl.convert_layout(1.0 / (l_safe * CMAX), gl.SliceLayout(0, MMA))[None, :]  # [D, 8]
-        m = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
-        chan = (D // 8) * (m % 8) + m // 8  # memory channel of logical channel m
-        store_output(o, chan, l_i, m_i, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, b, kvh, split, stride_ob,
+        store_output(o, l_i, m_i, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, b, kvh, split, stride_ob,
                      stride_oh, num_splits, KVH, G, D, PARTIAL, FUSED, RMAX)
 
 

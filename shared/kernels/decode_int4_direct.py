@@ -385,14 +385,13 @@ if HAVE_GLUON:
                 accm = accm * alpha[None, :]
                 mb = mb * alpha
 
-        # 3. add the m parts, normalize, back to memory channel order, store
+        # 3. add the m parts, normalize, store (in memory channel order)
         acc3 = gl.reshape(acc, [D // CHUNK_C, CHUNK_C, 8])  # [m-tile, row in tile, head]
         accm3 = gl.convert_layout(accm, gl.SliceLayout(0, acc3.type.layout), assert_trivial=True)
         acc = gl.convert_layout(gl.reshape(acc3 + gl.expand_dims(accm3, 0), [D, 8]), MMA, assert_trivial=True)
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
         o = (acc + mb[None, :]) * (1.0 / l_safe)[None, :]
-        chan = (D // 8) * (m % 8) + m // 8  # memory channel of logical row m
-        store_output(o, chan, l_i, m_i, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, b, kvh, split, stride_ob,
+        store_output(o, l_i, m_i, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, b, kvh, split, stride_ob,
                      stride_oh, num_splits, KVH, G, D, PARTIAL, FUSED, RMAX)
 
 
