@@ -25,7 +25,9 @@ if HAVE_GLUON:
         num_splits partials in one unrolled pass, so their loads are all in flight at once (two
         passes of dependent loads, max then sum, cost 0.7-0.9 % at 64 x 4,096, H200). Loads bypass
         L1 (.cg): the partials were written by other SMs."""
-        RL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, D // 32], threads_per_warp=[1, 32],
+        # 8 channels a lane: 16-byte output stores (each store holds its registers until the store unit
+        # takes it, and this program's end is the launch's)
+        RL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // (D // 8), D // 8],
                                             warps_per_cta=[1, 1], order=[1, 0])
         h = gl.arange(0, 8, layout=gl.SliceLayout(1, RL))
         d = gl.arange(0, D, layout=gl.SliceLayout(0, RL))
