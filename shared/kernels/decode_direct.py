@@ -18,7 +18,8 @@ operand by a few warp shuffles. The output is un-permuted when stored.
 Scales: the page's (fp8) or each token's (int8) K scale multiplies the scores; the V scale rides on
 p, times the format's largest code C (p * s * C = p * absmax stays in fp16's normal range), and the
 output is divided by C at the end. Full pages need no masks; the residual tail and the new token
-(full precision) are one more 16-token chunk, masked. The next chunk's loads are in flight while a
+(full precision) are one more 16-token chunk, masked (fp8: the last split takes it while its first
+chunk loads, `PageLoads.tail_first`). The next chunk's loads are in flight while a
 chunk is computed (pages carried as 32-bit words: as bytes, each would take a register). fp8 pages
 are read with K in whole 32-byte sectors, one inline-asm pack of vector loads per operand with an
 L2 prefetch-size hint, and the grid launches a sequence's KV heads side by side (`PageLoads`). Splits

@@ -50,12 +50,13 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
     from kvmesh.kernels.int4_fragments import (b_operand, code_pairs, k_nibbles, logical_k,
-                                               logical_k_fp16, m_codes_operand, odd_rows_unit, pack_f16x2,
+                                               logical_k_fp16, m_codes_operand, odd_rows_unit,
                                                pair_words, q_pairs, row_halves, rows_joined,
                                                scaled_code_pairs, v_code_pairs, v_codes_layout, v_nibbles,
                                                v_words_layout, words_layout)
+    from kvmesh.kernels.int4_page_loads import header_scalars, load_keys, load_values
     from kvmesh.kernels.split_partials import chunk_lines, page_base, prefetch_l2, store_output
-    from kvmesh.kernels.mma_fragments import (A_OP, B_OP, CHUNK_C, MMA, halves, load_pack, tail_rows, to_fp16,
+    from kvmesh.kernels.mma_fragments import (A_OP, B_OP, CHUNK_C, MMA, halves, tail_rows, to_fp16,
                                               v_layout, v_operand)
 
 MAXNREG = 168  # a ceiling: at head_dim 128 the kernel takes 140 (still 12 one-warp programs per SM:
@@ -77,43 +78,6 @@ def supports(q: torch.Tensor, residual_dtype: torch.dtype, group: int, head_dim:
 
 
 if HAVE_GLUON:
-    @gluon.jit
-    def _header(h):
-        """A header (uint64: bf16 m_base, m_step, s_step, 0) -> three fp32 scalars."""
-        m_base = (h.to(gl.uint32) << 16).to(gl.float32, bitcast=True)
-        m_step = ((h >> 16).to(gl.uint32) << 16).to(gl.float32, bitcast=True)
-        s_step = ((h >> 32).to(gl.uint32) << 16).to(gl.float32, bitcast=True)
-        return m_base, m_step, s_step
-
-    @gluon.jit
-    def _load_keys(pb, chunk, ko, co, rec, BS: gl.constexpr, D: gl.constexpr):
-        """A chunk's key words: K [16, D/8], the K s codes [8, D/4] (B-side layout), the page's K header
-        (uint64); ko / co: the loop-invariant word offsets of the thread's elements inside a page's
-        layer region, rec: the head's K record there (bytes)."""
-        p32 = pb.to(gl.pointer_type(gl.uint32), bitcast=True)
-        LKW: gl.constexpr = words_layout(D // 8, 16)
-        if BS // CHUNK_C > 1:  # the chunk's rows inside the page
-            kw = load_pack(p32 + (ko + (chunk % (BS // CHUNK_C)) * CHUNK_C * (D // 8)), LKW, D // 2, "")
-        else:
-            kw = load_pack(p32 + ko, LKW, D // 2, "")
-        p64 = pb.to(gl.pointer_type(gl.uint64), bitcast=True)
-        return kw, gl.load(p32 + co), gl.load(p64 + rec // 8)
-
-    @gluon.jit
-    def _load_values(pb, chunk, vo, so, rec, BS: gl.constexpr, D: gl.constexpr):
-        """A chunk's value words: V [16, D/8], the V code words [8 tp, 8 g, 4] (v_codes_layout), the
-        page's V header (uint64); vo / so: word offsets as in `_load_keys`."""
-        p32 = pb.to(gl.pointer_type(gl.uint32), bitcast=True)
-        if BS // CHUNK_C > 1:
-            r = (chunk % (BS // CHUNK_C)) * CHUNK_C
-            vw = load_pack(p32 + (vo + r * (D // 8)), v_words_layout(D), D // 2, "")
-            vc = gl.load(p32 + (so + r * (D // 64)))
-        else:
-            vw = load_pack(p32 + vo, v_words_layout(D), D // 2, "")
-            vc = gl.load(p32 + so)
-        p64 = pb.to(gl.pointer_type(gl.uint64), bitcast=True)
-        return vw, vc, gl.load(p64 + rec // 8 + 1)
-
     @gluon.jit
     def _rescale(acc, accm, mb, l_i, alpha, e_cur, e_new):
         """The state in units of a new max (alpha = 2**(old max - new)) and a new F (from exponent
@@ -145,7 +109,7 @@ if HAVE_GLUON:
         pb = page_base(pool_ptr, pages, page_stride, layer_off)
         cm = gl.load(pb.to(gl.pointer_type(gl.uint32), bitcast=True)[:, None] + cmo[None, :])  # [16, D/4]
         hk = gl.load(pb.to(gl.pointer_type(gl.uint64), bitcast=True) + rec // 8)
-        k_mb, k_ms, _ = _header(gl.convert_layout(hk, gl.SliceLayout(1, MMA), assert_trivial=True))
+        k_mb, k_ms, _ = header_scalars(gl.convert_layout(hk, gl.SliceLayout(1, MMA), assert_trivial=True))
         cm_op = gl.convert_layout(logical_k(code_pairs(cm), D), A_OP, assert_trivial=True)
         qm = mma_v2(cm_op, q_op, gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA))  # sum q' (4 + cm / 256)
         return (qm * (qk_q * 256.0 * k_ms)[:, None]
@@ -156,7 +120,7 @@ if HAVE_GLUON:
         """S^T [16 tokens, 8 heads] of a chunk of full pages, in log2 units; offset [16, 8]: the page's
         q . m (`_page_offsets`), every row alike; k_unit: the nibble and code units and the softmax
         scale, over q's power of two."""
-        _, _, k_ss = _header(hk)  # m_base, m_step: the page's offset (_page_offsets)
+        _, _, k_ss = header_scalars(hk)  # m_base, m_step: the page's offset (_page_offsets)
         # keys: q' * cs 2**-24 (a byte permute and a multiply a pair), nibbles n 2**-24: subnormals
         qs_op = b_operand(logical_k(scaled_code_pairs(cs, ql, qh), D), D)
         st = mma_v2(k_nibbles(kw, D), qs_op, gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA))
@@ -167,7 +131,7 @@ if HAVE_GLUON:
         """The online softmax of a chunk's scores st and its values into the state: acc in units of
         the page's F (e_cur: the exponent field of the s_step F was taken from), the V m part into
         accm / mb ([8 g, 8 heads]; mb and l_i: every row alike). Returns the updated state."""
-        v_mb, v_ms, v_ss = _header(hv)
+        v_mb, v_ms, v_ss = header_scalars(hv)
         # values: F = 2**(-3 - exponent of s_step) keeps the scale pairs below 64 (1024 s fits fp16);
         # F's are powers of two, so their ratio is a difference of exponent fields (no division)
         e_new = (v_ss.to(gl.int32, bitcast=True) >> 23) & 0xFF
@@ -332,8 +296,8 @@ if HAVE_GLUON:
         last = gl.maximum(hi - 1, 0)
         c0 = gl.minimum(lo, last)
         pb = page_base(pool_ptr, gl.load(bt_row + c0 // CPP), page_stride, layer_off)
-        kw, cs, hk = _load_keys(pb, c0, ko, co, rec, BS, D)
-        vw, vc, hv = _load_values(pb, c0, vo, so, rec, BS, D)
+        kw, cs, hk = load_keys(pb, c0, ko, co, rec, BS, D)
+        vw, vc, hv = load_values(pb, c0, vo, so, rec, BS, D)
         page1 = gl.load(bt_row + gl.minimum(lo + 1, last) // CPP)
         page2 = gl.load(bt_row + gl.minimum(lo + 2, last) // CPP)
         if TAIL_FIRST:  # while the first chunk loads: the tail's round trips overlap the pages' first ones
@@ -366,10 +330,10 @@ if HAVE_GLUON:
                 pb = page_base(pool_ptr, page1, page_stride, layer_off)
                 offset = page_rows.index(c // CPP - p0).load(HL)[None, :]  # the page's row, for all 16 tokens
                 st = _scores(q_lo.load(LCB), q_hi.load(LCB), kw, cs, hk, offset, k_unit, D)
-                kw, cs, hk = _load_keys(pb, gl.minimum(c + 1, last), ko, co, rec, BS, D)
+                kw, cs, hk = load_keys(pb, gl.minimum(c + 1, last), ko, co, rec, BS, D)
                 acc, accm, mb, m_i, l_i, e_cur = _softmax_values(acc, accm, mb, m_i, l_i, e_cur, st, vw, vc, sel_s,
                                                                  sel_m, hv, D)
-                vw, vc, hv = _load_values(pb, gl.minimum(c + 1, last), vo, so, rec, BS, D)
+                vw, vc, hv = load_values(pb, gl.minimum(c + 1, last), vo, so, rec, BS, D)
                 page1 = page2
                 page2 = page3
         m = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
