@@ -49,13 +49,7 @@ def variants(kv: str, grid: dict = GRID, tiles_only: bool = False) -> list[dict]
 def _problem(kv: str, batch: int, ctx: int):
     """(cache, meta, q, k_new, v_new, the case's data) for one decode case."""
     case = kb.decode_case(batch, ctx)
-    cache = kb.filled_cache(kv, case.k_rows, case.v_rows, case.n_pages, case.perm)
-    meta = kb.decode_meta(batch, ctx, case.perm, cache.layout)
-    dt = kb.model_dtype_for(kv)
-    q = case.qs[:, :, 0].to(dt).contiguous()
-    kn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=dt, generator=case.gen)
-    vn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=dt, generator=case.gen)
-    return cache, meta, q, kn, vn, case
+    return (*kb.decode_problem(kv, case), case)
 
 
 def _compile_worker(jobs: list[tuple[str, dict]]) -> int:

@@ -71,11 +71,7 @@ def case_inputs(batch: int, ctx: int, reps: int):
     """One benchmark case as kernels.py draws it: (SDPA ms, int4 cache, metadata, q [B, H, D], new k, v)."""
     case = kb.decode_case(batch, ctx)
     t_sdpa, _ = kb.time_sdpa(case, reps)
-    cache = kb.filled_cache("int4", case.k_rows, case.v_rows, case.n_pages, case.perm)
-    meta = kb.decode_meta(batch, ctx, case.perm, cache.layout)
-    kn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=case.gen)
-    vn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=case.gen)
-    return t_sdpa, cache, meta, case.qs[:, :, 0].contiguous(), kn, vn
+    return (t_sdpa, *kb.decode_problem("int4", case))
 
 
 def variant(name: str):
@@ -134,12 +130,7 @@ def context_sweep(reps: int, contexts: list[int], variants: list[str]) -> None:
     batch = sms * 12 // kb.KVH
     times: dict = {v: [] for v in variants}
     for ctx in contexts:
-        case = kb.decode_case(batch, ctx)
-        cache = kb.filled_cache("int4", case.k_rows, case.v_rows, case.n_pages, case.perm)
-        meta = kb.decode_meta(batch, ctx, case.perm, cache.layout)
-        q = case.qs[:, :, 0].contiguous()
-        kn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=case.gen)
-        vn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=case.gen)
+        cache, meta, q, kn, vn = kb.decode_problem("int4", kb.decode_case(batch, ctx))
         for name in variants:
             fn, kw = variant(name)
             kw = dict(kw, splits=1, maxnreg=168)

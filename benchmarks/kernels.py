@@ -165,6 +165,18 @@ def decode_case(batch: int, ctx: int) -> DecodeCase:
     return DecodeCase(batch, ctx, k_rows, v_rows, perm, qs, g)
 
 
+def decode_problem(kv: str, case: DecodeCase, model_dtype: torch.dtype | None = None):
+    """(cache, meta, q [B, H, D], new k, new v [B, KVH, D]) of one decode case over `kv` pages, in a
+    model of `model_dtype` (default: the one kv's rows come from); new K/V from the case's generator."""
+    dt = model_dtype or model_dtype_for(kv)
+    cache = filled_cache(kv, case.k_rows, case.v_rows, case.n_pages, case.perm, dt)
+    meta = decode_meta(case.batch, case.ctx, case.perm, cache.layout)
+    q = case.qs[:, :, 0].to(dt).contiguous()
+    kn = torch.randn(case.batch, KVH, D, device="cuda", dtype=dt, generator=case.gen)
+    vn = torch.randn(case.batch, KVH, D, device="cuda", dtype=dt, generator=case.gen)
+    return cache, meta, q, kn, vn
+
+
 def time_sdpa(case: DecodeCase, reps: int) -> tuple[float, int]:
     """(ms, bytes moved) of SDPA (enable_gqa) over contiguous fp16 K/V [B, KVH, ctx, D] of the case's
     data; the contiguous copies are freed before returning."""
@@ -176,21 +188,15 @@ def time_sdpa(case: DecodeCase, reps: int) -> tuple[float, int]:
 
 def bench_decode(batch: int, ctx: int, reps: int, read_tbs: float, rows: list) -> None:
     case = decode_case(batch, ctx)
-    n_pages, k_rows, v_rows, perm, qs, g = case.n_pages, case.k_rows, case.v_rows, case.perm, case.qs, case.gen
     t_sdpa, sdpa_bytes = time_sdpa(case, reps)
     rows.append((f"{batch}x{ctx}", "sdpa fp16 contiguous", t_sdpa, sdpa_bytes / t_sdpa / 1e9,
                  sdpa_bytes / t_sdpa / 1e9 / read_tbs, 1.0, 1.0))
     log(f"  sdpa {batch}x{ctx}: {t_sdpa:.3f} ms")
     for kv in KV_DTYPES:
         try:
-            cache = filled_cache(kv, k_rows, v_rows, n_pages, perm)
-            meta = decode_meta(batch, ctx, perm, cache.layout)
-            dt = model_dtype_for(kv)
-            q = qs[:, :, 0].to(dt).contiguous()  # [B, H, D]
-            kn = torch.randn(batch, KVH, D, device="cuda", dtype=dt, generator=g)
-            vn = torch.randn(batch, KVH, D, device="cuda", dtype=dt, generator=g)
+            cache, meta, q, kn, vn = decode_problem(kv, case)  # q [B, H, D]
             scale = D ** -0.5
-            nbytes = n_pages * cache.layout.block_bytes + 2 * q.numel() * q.element_size()
+            nbytes = case.n_pages * cache.layout.block_bytes + 2 * q.numel() * q.element_size()
             ideal = 16 / (8 * cache.layout.bytes_per_token / (2 * KVH * D))  # 16 / stored bits per element
             # the engine's path (the register-direct kernel for 8-bit pages), and the plain Triton
             # kernel beside it where they differ

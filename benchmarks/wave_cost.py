@@ -46,12 +46,7 @@ def direct_wave(reps: int, kv: str) -> None:
     batch = torch.cuda.get_device_properties(0).multi_processor_count * 16 // kb.KVH
     print(f"\n{kv}, {batch} x {kb.KVH} programs:\n| context | tail first us | tail last us |\n|---|---|---|")
     for ctx in (16, 256, 1024, 2048, 4096):
-        case = kb.decode_case(batch, ctx)
-        cache = kb.filled_cache(kv, case.k_rows, case.v_rows, case.n_pages, case.perm)
-        meta = kb.decode_meta(batch, ctx, case.perm, cache.layout)
-        q = case.qs[:, :, 0].contiguous()
-        kn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=case.gen)
-        vn = torch.randn(batch, kb.KVH, kb.D, device="cuda", dtype=torch.float16, generator=case.gen)
+        cache, meta, q, kn, vn = kb.decode_problem(kv, kb.decode_case(batch, ctx))
         cells = []
         for first in (True, False):
             t = kb.time_ms(lambda: decode_direct(cache, 0, q, kn, vn, meta, kb.D ** -0.5, splits=1,

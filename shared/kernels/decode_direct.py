@@ -304,4 +304,5 @@ def decode_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.
     lo = loads or LOADS[fmt]
     return launch_direct(decode_direct_kernel, "direct", cache, layer, q, k, v, meta, scale, splits=splits,
                          fused=fused, maxnreg=cap, FMT=fmt, CMAX=CODE_MAX[fmt], KSEC=lo.k_sectors,
-                         L2PF=lo.l2_prefetch, HEADS_FIRST=lo.heads_first and q.shape[0] < 65536, TAIL_FIRST=lo.tail_first if tail_first is None else tail_first)
+                         L2PF=lo.l2_prefetch, HEADS_FIRST=lo.heads_first and q.shape[0] < 65536,
+                         TAIL_FIRST=lo.tail_first if tail_first is None else tail_first)

@@ -204,7 +204,6 @@ if HAVE_GLUON:
         LCB: gl.constexpr = words_layout(D // 4, 8)
         LQ: gl.constexpr = words_layout(D, 16)
         HL: gl.constexpr = gl.SliceLayout(0, MMA)  # [8] per query head of the group
-        TL: gl.constexpr = gl.SliceLayout(1, MMA)  # [16] per token of a chunk
         b = gl.program_id(0)
         kvh = gl.program_id(1)
         split = gl.program_id(2)

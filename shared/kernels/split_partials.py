@@ -15,7 +15,7 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from kvmesh.kernels.mma_fragments import CHUNK_C, MMA
+    from kvmesh.kernels.mma_fragments import CHUNK_C
     cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after Triton 3.6
 
     @gluon.jit
@@ -107,8 +107,8 @@ if HAVE_GLUON:
         of a short program's time, H200)."""
         rows = gl.reshape(gl.permute(gl.reshape(o, [D // 8, 8, 8]), [2, 1, 0]), [8, D])  # [head, channel]
         VEC: gl.constexpr = 4 if PARTIAL else 8  # 16 bytes of fp32 or of 16-bit values
-        SL: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (D // VEC) if D // VEC < 32 else 1,
-                                                       D // VEC if D // VEC < 32 else 32], [1, 1], [1, 0])
+        LANES: gl.constexpr = D // VEC if D // VEC < 32 else 32  # lanes along a row
+        SL: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // LANES, LANES], [1, 1], [1, 0])
         rows = gl.convert_layout(rows, SL)
         hr = gl.arange(0, 8, layout=gl.SliceLayout(1, SL))
         cr = gl.arange(0, D, layout=gl.SliceLayout(0, SL))
