@@ -2,19 +2,21 @@
 decode kernel and SDPA over contiguous fp16, on the H200, in one run:
 
     python3 benchmarks/decode_direct_sweep.py [--reps 20] [--dtypes fp8_e4m3,int8,fp16] [--jobs 8]
+        [--variants "default,heads first"]
 
 Same cases, data and timing as benchmarks/kernels.py (CUDA-graph replays, CUDA events, median). Each
 variant is first checked against the plain kernel on the same cache (relative L2), so a fast wrong
 variant shows as wrong. `--jobs` compiles every variant first in that many worker processes (Triton's
 on-disk cache then serves the timing process; the whole run takes about a minute). 8-bit pages: the
-launcher's choice ("default") against the split reduction always in a second launch or always in
-the last split, and a bf16 model; 16-bit pages: the plain kernel with its own and with 2 splits. The
-first variant of each dtype is timed again last (drift). Earlier variants (the cp.async ring,
+launcher's choice ("default") against the tail first or last, a bf16 model, and the format's
+`PageLoads` with one field changed; 16-bit pages: the plain kernel, its own grid order and heads
+first. The first variant of each dtype is timed again last (drift). Earlier variants (the cp.async ring,
 16-bit pages in the direct kernel, PDL, fp16 partials, ...) and their numbers: docs/decode_direct.md.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing as mp
 import sys
 import time
@@ -24,39 +26,37 @@ import torch
 
 import kernels as kb  # benchmarks/kernels.py (puts kvmesh on the path too)
 from kvmesh.kernels.decode_attention import decode_attention
-from kvmesh.kernels.decode_direct import decode_direct
+from kvmesh.kernels.decode_direct import LOADS, decode_direct
+from kvmesh.kernels.formats import FMT_CODES
 
 VARIANTS_8 = [("default", dict()), ("tail first", dict(tail_first=True)), ("tail last", dict(tail_first=False)),
-              ("bf16 model", dict(bf16=True))]
-VARIANTS_16 = [("plain", dict(plain=True, heads_first=False)), ("plain heads first", dict(plain=True, heads_first=True))]
+              ("bf16 model", dict(bf16=True)),
+              # the format's LOADS entry with one field changed (decode_direct.PageLoads)
+              ("heads first", dict(loads_with=dict(heads_first=True))),
+              ("l2 hint", dict(loads_with=dict(l2_prefetch=128)))]
+VARIANTS_16 = [("plain", dict(plain=True, heads_first=False)),
+               ("plain heads first", dict(plain=True, heads_first=True))]
 
 
-def variants(kv: str, again: bool) -> list:
-    """(name, variant) of one dtype; `again`: the first (the shipped path) once more at the end (drift)."""
+def variants(kv: str, again: bool, names: list | None = None) -> list:
+    """(name, variant) of one dtype, only `names` where given; `again`: the first once more at the end
+    (drift)."""
     v = VARIANTS_16 if kv in ("fp16", "bf16") else VARIANTS_8
+    v = [x for x in v if names is None or x[0] in names]
     return v + [(v[0][0] + " again", v[0][1])] if again else v
-
-
-def problem(kv: str, dc, model: torch.dtype):
-    """(cache, meta, q, k_new, v_new) for one decode case in a model of dtype `model`."""
-    cache = kb.filled_cache(kv, dc.k_rows, dc.v_rows, dc.n_pages, dc.perm, model)
-    meta = kb.decode_meta(dc.batch, dc.ctx, dc.perm, cache.layout)
-    g = torch.Generator(device="cuda").manual_seed(dc.batch + dc.ctx)
-    q = dc.qs[:, :, 0].to(model).contiguous()
-    kn = torch.randn(dc.batch, kb.KVH, kb.D, device="cuda", generator=g).to(model)
-    vn = torch.randn(dc.batch, kb.KVH, kb.D, device="cuda", generator=g).to(model)
-    return cache, meta, q, kn, vn
 
 
 def call_of(var: dict, p, scale: float):
     cache, meta, q, kn, vn = p
-    kw = {k: v for k, v in var.items() if k not in ("plain", "bf16")}
+    kw = {k: v for k, v in var.items() if k not in ("plain", "bf16", "loads_with")}
+    if "loads_with" in var:
+        kw["loads"] = dataclasses.replace(LOADS[FMT_CODES[cache.layout.kv_dtype]], **var["loads_with"])
     if var.get("plain"):
         return lambda: decode_attention(cache, 0, q, kn, vn, meta, scale, direct=False, **kw)
     return lambda: decode_direct(cache, 0, q, kn, vn, meta, scale, **kw)
 
 
-def run_case(batch: int, ctx: int, dtypes: list, reps: int, rows: list | None) -> None:
+def run_case(batch: int, ctx: int, dtypes: list, reps: int, rows: list | None, names: list | None = None) -> None:
     """Every variant of every dtype at one case: checked against the plain kernel, then timed (rows
     None: called once each, to compile)."""
     t0 = time.time()
@@ -65,11 +65,11 @@ def run_case(batch: int, ctx: int, dtypes: list, reps: int, rows: list | None) -
     scale = kb.D ** -0.5
     for kv in dtypes:
         probs: dict = {}
-        for name, var in variants(kv, rows is not None):
+        for name, var in variants(kv, rows is not None, names):
             try:
                 model = torch.bfloat16 if (var.get("bf16") or kv == "bf16") else torch.float16
                 if model not in probs:
-                    p = problem(kv, dc, model)
+                    p = kb.decode_problem(kv, dc, model)
                     cache, meta, q, kn, vn = p
                     probs[model] = (p, decode_attention(cache, 0, q, kn, vn, meta, scale, direct=False))
                 p, ref = probs[model]
@@ -92,7 +92,8 @@ def run_case(batch: int, ctx: int, dtypes: list, reps: int, rows: list | None) -
 
 def _warm(task) -> None:
     torch.set_grad_enabled(False)
-    run_case(*task, reps=1, rows=None)
+    batch, ctx, dtypes, names = task
+    run_case(batch, ctx, dtypes, reps=1, rows=None, names=names)
 
 
 def main() -> None:
@@ -101,14 +102,16 @@ def main() -> None:
     ap.add_argument("--dtypes", default="fp8_e4m3,fp8_e5m2,int8,fp16,bf16")
     ap.add_argument("--cases", default=None, help="indices into kernels.DECODE_CASES")
     ap.add_argument("--jobs", type=int, default=0, help="compile in this many processes first")
+    ap.add_argument("--variants", default=None, help="comma list of variant names (default all)")
     ap.add_argument("--compile-only", action="store_true", help="stop after the compile phase")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     t0 = time.time()
     cases = kb.DECODE_CASES if args.cases is None else [kb.DECODE_CASES[int(i)] for i in args.cases.split(",")]
     dtypes = args.dtypes.split(",")
+    names = args.variants.split(",") if args.variants else None
     if args.jobs:
-        tasks = [(b, c, [kv]) for b, c in cases for kv in dtypes]
+        tasks = [(b, c, [kv], names) for b, c in cases for kv in dtypes]
         with mp.get_context("spawn").Pool(args.jobs) as pool:
             pool.map(_warm, tasks, chunksize=1)
         kb.log(f"compiled in {time.time() - t0:.0f} s")
@@ -116,7 +119,7 @@ def main() -> None:
         return
     rows: list = []
     for batch, ctx in cases:
-        run_case(batch, ctx, dtypes, args.reps, rows)
+        run_case(batch, ctx, dtypes, args.reps, rows, names)
     print("\n| case | kv | kernel | ms | vs SDPA | ideal | rel. L2 vs plain |\n|---|---|---|---|---|---|---|")
     for case, kv, name, t, sp, ideal, err in rows:
         print(f"| {case} | {kv} | {name} | {t:.4f} | {sp:.3f}x | {ideal:.2f}x | {err:.1e} |")

@@ -34,8 +34,10 @@ def tiny_model(device: str, rope_theta: float = 10000.0, attention_bias: bool = 
 
 
 def generate(model: LlamaForCausalLM, backend, kv: str, prompts: list[list[int]], steps: int,
-             device: str, dtype: torch.dtype = torch.float32) -> tuple[list[list[int]], torch.Tensor]:
-    """Greedy decode; the first prompt is prefilled in two chunks. Returns tokens and all logits."""
+             device: str, dtype: torch.dtype = torch.float32,
+             forced: list[list[int]] | None = None) -> tuple[list[list[int]], torch.Tensor]:
+    """Greedy decode, or the tokens of `forced` (another run's output) fed in its place; the first
+    prompt is prefilled in two chunks. Returns tokens and all logits [1 + steps rows per prompt, vocab]."""
     cfg = model.config
     layout = BlockLayout(num_layers=cfg.num_layers, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                          block_size=BS, kv_dtype=kv)
@@ -64,7 +66,7 @@ def generate(model: LlamaForCausalLM, backend, kv: str, prompts: list[list[int]]
                 first[s] = logits[row]
     logits_all.append(torch.stack(first))
     for s, t in enumerate(torch.stack(first).argmax(-1).tolist()):
-        seqs[s].append(t)
+        seqs[s].append(forced[s][len(seqs[s])] if forced else t)
     for _ in range(steps):
         slices = [SeqSlice(done[s], 1, tables[s], s) for s in range(len(seqs))]
         meta = build_attention_metadata(slices, layout, cache.num_residual_slots, device)
@@ -73,7 +75,7 @@ def generate(model: LlamaForCausalLM, backend, kv: str, prompts: list[list[int]]
         logits = model.compute_logits(model(ids, pos, meta, cache, backend))
         logits_all.append(logits)
         for s, t in enumerate(logits.argmax(-1).tolist()):
-            seqs[s].append(t)
+            seqs[s].append(forced[s][len(seqs[s])] if forced else t)
             done[s] += 1
     return seqs, torch.cat(logits_all)
 
@@ -102,16 +104,24 @@ def test_greedy_generation_matches_torch_backend(kv):
 def test_gpu_half_model_direct_decode_matches_torch_backend(kv, dtype):
     # fp16 / bf16 models with head_dim 64: decode steps take the register-direct kernels
     # (decode_direct.py, decode_int4_direct.py), prefill the prefill kernel, and each step's cache write feeds the next
-    # step's direct read
+    # step's direct read. The Triton run is fed the torch run's tokens, so every step's logits compare;
+    # its own greedy choice must match wherever the torch top-2 gap is not a tie at the model's
+    # precision (bf16 e4m3 parted once at the 12th token on a gap of 0.0078 = one bf16 step, H200)
     model = tiny_model("cuda", head_dim=64).to(dtype)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 256, (37,), generator=g).tolist(), torch.randint(0, 256, (9,), generator=g).tolist()]
     want, want_logits = generate(model, TorchBackend(), kv, prompts, 12, "cuda", dtype)
-    got, got_logits = generate(model, TritonBackend(), kv, prompts, 12, "cuda", dtype)
-    err = ((got_logits.float() - want_logits.float()).norm() / want_logits.float().norm()).item()
+    got, got_logits = generate(model, TritonBackend(), kv, prompts, 12, "cuda", dtype, forced=want)
+    want_logits, got_logits = want_logits.float(), got_logits.float()
+    err = ((got_logits - want_logits).norm() / want_logits.norm()).item()
     tol = 1e-2 if dtype == torch.float16 else 3e-2  # both paths round activations to the model dtype
     assert err < tol, f"{kv} {dtype}: logits relative L2 {err:.2e}"
-    assert got == want
+    top2 = want_logits.topk(2, dim=-1).values
+    tie = 2 * torch.finfo(dtype).eps * top2[:, 0].abs().clamp(min=1.0)  # two steps of the model dtype
+    decided = (top2[:, 0] - top2[:, 1]) > tie  # [rows]
+    assert decided.sum() >= 0.75 * len(decided), "too many near-ties for the test to say anything"
+    same = got_logits.argmax(-1) == want_logits.argmax(-1)
+    assert same[decided].all(), f"{kv} {dtype}: greedy tokens differ at rows {(~same & decided).nonzero().tolist()}"
 
 
 def staged_mixed_steps(model: LlamaForCausalLM, backend, kv: str, dtype: torch.dtype, device: str = "cuda",
