@@ -31,7 +31,7 @@ register pressure it sank them below it, and the keys then had only the values p
 
 Fragments, layouts and the PTX: `int4_fragments.py`. Splits, the fused split reduction, the
 residual tail (full precision, one masked chunk) and the new token as in `decode_direct.py`. SASS,
-timings and every variant measured: docs/decode_direct.md, "INT4" (2.36-2.50x SDPA on the H200).
+timings and every variant measured: docs/decode_direct.md, "INT4" (2.43-2.55x SDPA on the H200).
 """
 from __future__ import annotations
 
