@@ -111,7 +111,7 @@ def test_gpu_half_model_direct_decode_matches_torch_backend(kv, dtype):
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 256, (37,), generator=g).tolist(), torch.randint(0, 256, (9,), generator=g).tolist()]
     want, want_logits = generate(model, TorchBackend(), kv, prompts, 12, "cuda", dtype)
-    got, got_logits = generate(model, TritonBackend(), kv, prompts, 12, "cuda", dtype, forced=want)
+    _, got_logits = generate(model, TritonBackend(), kv, prompts, 12, "cuda", dtype, forced=want)  # tokens = want
     want_logits, got_logits = want_logits.float(), got_logits.float()
     err = ((got_logits - want_logits).norm() / want_logits.norm()).item()
     tol = 1e-2 if dtype == torch.float16 else 3e-2  # both paths round activations to the model dtype
