@@ -79,6 +79,17 @@ def supports(q: torch.Tensor, residual_dtype: torch.dtype, group: int, head_dim:
 
 if HAVE_GLUON:
     @gluon.jit
+    def _as_rows_36(buf, shape: gl.constexpr):
+        return buf._reinterpret(gl.float32, shape, gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+    @gluon.jit
+    def _as_rows_39(buf, shape: gl.constexpr):
+        return buf.reinterpret(gl.float32, shape, gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+    # a shared buffer's bytes as rows of a rank-1 layout; the method lost its underscore in Triton 3.9
+    _as_rows = _as_rows_39 if hasattr(gl.shared_memory_descriptor, "reinterpret") else _as_rows_36
+
+    @gluon.jit
     def _rescale(acc, accm, mb, l_i, alpha, e_cur, e_new):
         """The state in units of a new max (alpha = 2**(old max - new)) and a new F (from exponent
         field e_cur to e_new: a power of two, no division)."""
@@ -317,7 +328,7 @@ if HAVE_GLUON:
         p_last = last // CPP
         offsets = gl.allocate_shared_memory(gl.float32, [CHUNK_C, 8], ROWS)  # [16 pages, 8 heads]
         # the same bytes as rows: index() wants a layout a rank below the shape, the [16, 8] store a full one
-        page_rows = offsets._reinterpret(gl.float32, [CHUNK_C, 8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        page_rows = _as_rows(offsets, [CHUNK_C, 8])
         for p0 in range(lo // CPP, gl.cdiv(hi, CPP), CHUNK_C):
             q_op = b_operand(logical_k(q_pairs(q_lo.load(LCB), q_hi.load(LCB)), D), D)
             offsets.store(_page_offsets(pool_ptr, bt_row, p0, p_last, rr, cmo, rec, q_op, sq_s.load(MMA), qk_q,

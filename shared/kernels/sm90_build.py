@@ -1,0 +1,137 @@
+"""An offline sm_90 build of the register-direct decode kernels (Gluon): compiled through Triton's
+own ptxas for a Hopper target on a machine without a GPU, disassembled with the cuobjdump its wheel
+carries. It gives what the chunk loop costs (registers, stack, SASS by opcode) at no device time, and
+lets CI on the CPU check that the kernels still build under the installed Triton (they cannot run
+under its interpreter). `benchmarks/sass.py` is its command line.
+
+    python -m kvmesh.kernels.sm90_build   # JSON: each kernel at Llama-3-8B's and SmolLM2's heads
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from kvmesh.kv.layout import BlockLayout
+
+POINTERS = {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "out_ptr": "*fp16", "part_out_ptr": "*fp32",
+            "part_lse_ptr": "*fp32", "count_ptr": "*i32", "pool_ptr": "*u8", "res_ptr": "*fp16",
+            "prefix_lens_ptr": "*i32", "block_tables_ptr": "*i32", "residual_slots_ptr": "*i32"}
+FLOATS = {"qk_scale"}
+UNALIGNED = {"num_splits", "g_rows"}
+
+
+def _run(*cmd) -> str:
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, check=True).stdout
+
+
+def kernel_of(name: str):
+    """(kernel, KV dtype, its constexprs as the engine launches it) for int4 | fp8_e4m3 | fp8_e5m2 | int8."""
+    if name == "int4":
+        from kvmesh.kernels.decode_int4_direct import decode_int4_direct_kernel
+        return decode_int4_direct_kernel, "int4", {"L2PF": True, "TAIL_FIRST": True}
+    from kvmesh.kernels.decode_direct import CODE_MAX, FMT_CODES, LOADS, decode_direct_kernel
+    fmt = FMT_CODES[name]
+    lo = LOADS[fmt]  # as decode_direct() launches it
+    return decode_direct_kernel, name, {"FMT": fmt, "CMAX": CODE_MAX[fmt], "KSEC": lo.k_sectors,
+                                        "L2PF": lo.l2_prefetch, "HEADS_FIRST": lo.heads_first,
+                                        "TAIL_FIRST": lo.tail_first}
+
+
+def compile_sass(kernel, kv_dtype: str, d: int, g: int, bs: int, extra: dict, maxnreg: int | None,
+                 partial: bool, bf16: bool) -> tuple[str, dict]:
+    """(SASS text, {registers, stack, shared}) of `kernel` built for sm_90 at 8 KV heads, G query
+    heads a KV head, head_dim d, block size bs; `partial`: split programs (partials, fused reduction)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as triton_compile
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    lay = BlockLayout(num_layers=1, kv_heads=8, head_dim=d, block_size=bs, kv_dtype=kv_dtype)
+    consts = dict(V_OFF=lay.v_data_offset, KS_OFF=lay.k_scale_offset, VS_OFF=lay.v_scale_offset, KVH=8, G=g,
+                  BS=bs, D=d, PARTIAL=partial, FUSED=partial, BF16=bf16, RMAX=4, **extra)
+    names = kernel.arg_names
+    sig = {}
+    for n in names:
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n in POINTERS:
+            sig[n] = POINTERS[n].replace("fp16", "bf16") if bf16 and n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr",
+                                                                           "res_ptr") else POINTERS[n]
+        elif n in FLOATS:
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+    const_values = {(names.index(n),): v for n, v in consts.items() if n in names}
+    # declared constexprs left at their defaults
+    for p in kernel.params:
+        if p.is_constexpr and p.name not in consts:
+            sig[p.name] = "constexpr"
+            const_values[(names.index(p.name),)] = p.default
+    # as the launcher specializes them: pointers and the strides and offsets (multiples of 16 here)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n] != "constexpr" and n not in FLOATS and n not in UNALIGNED}
+    src = GluonASTSource(kernel, sig, const_values, attrs)
+    opts = {"num_warps": 1}
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    compiled = triton_compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    cubin = compiled.asm["cubin"]
+    bindir = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        sass = _run(bindir / "cuobjdump", "-sass", f.name)
+        usage = _run(bindir / "cuobjdump", "-res-usage", f.name)
+    finally:
+        os.unlink(f.name)
+    regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    meta = {"registers": int(regs.group(1)) if regs else -1, "stack": int(stack.group(1)) if stack else -1,
+            "shared": compiled.metadata.shared}
+    return sass, meta
+
+
+INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def instructions(sass: str) -> list[tuple[int, str, str]]:
+    return [(int(m.group(1), 16), m.group(3), m.group(4)) for m in INSTR.finditer(sass)]
+
+
+def chunk_loop(ins: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
+    """The body of the innermost backward branch that holds HMMA and the most instructions of it."""
+    best = []
+    for addr, op, rest in ins:
+        if op.startswith("BRA"):
+            t = re.search(r"0x([0-9a-f]+)", rest)
+            if t and int(t.group(1), 16) < addr:
+                body = [i for i in ins if int(t.group(1), 16) <= i[0] <= addr]
+                if any(o.startswith("HMMA") for _, o, _ in body) and (not best or len(body) < len(best)):
+                    best = body
+    return best
+
+
+
+# (kernel, head_dim, G, register cap) as the engine launches them: Llama-3-8B's heads and SmolLM2's
+CASES = [(k, 128, 4, 168 if k == "int4" else 128) for k in ("int4", "fp8_e4m3", "fp8_e5m2", "int8")] + [
+    ("int4", 64, 3, 128), ("int8", 64, 3, 128)]
+
+
+def build_report(cases=CASES) -> list[dict]:
+    report = []
+    for name, d, g, cap in cases:
+        kernel, kv_dtype, extra = kernel_of(name)
+        sass, meta = compile_sass(kernel, kv_dtype, d, g, 16, extra, cap, True, False)
+        loop = chunk_loop(instructions(sass))
+        report.append({"kernel": name, "head_dim": d, "group": g, "cap": cap, **meta,
+                       "loop": len(loop), "hmma": sum(op.startswith("HMMA") for _, op, _ in loop),
+                       "wide_loads": sum(op.startswith("LDG") and ".128" in op for _, op, _ in loop)})
+    return report
+
+
+if __name__ == "__main__":
+    json.dump(build_report(), sys.stdout)

@@ -1,0 +1,37 @@
+"""The register-direct decode kernels (Gluon) cannot run under Triton's interpreter, so CI builds them
+for the H200's sm_90 instead, through Triton's own ptxas, and checks what the chunk loop is made of:
+a version of Triton whose Gluon API moved (Triton 3.9 renamed `_reinterpret`, which turned the INT4
+kernel off with a warning) or a change that spills fails here, not only on the GPU."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def report() -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real build, not the interpreter
+    done = subprocess.run([sys.executable, "-m", "kvmesh.kernels.sm90_build"], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout)
+
+
+def test_every_direct_kernel_builds_for_sm90(report):
+    from kvmesh.kernels.sm90_build import CASES
+    assert [(r["kernel"], r["head_dim"], r["group"]) for r in report] == [c[:3] for c in CASES]
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_chunk_loop_in_registers_with_tensor_cores_and_wide_loads(report, i):
+    r = report[i]
+    assert 0 < r["registers"] <= r["cap"], r
+    assert r["stack"] == 0, f"spills: {r}"
+    # a 16-token chunk: 16 channels a k-step for the scores, 16 rows an m-tile for the values
+    assert r["hmma"] >= 2 * r["head_dim"] // 16, r
+    assert r["wide_loads"] >= 1, r  # pages come in 16-byte loads straight into fragments
+    assert 100 < r["loop"] < 1000, r
