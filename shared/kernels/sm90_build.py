@@ -8,6 +8,7 @@ under its interpreter). `benchmarks/sass.py` is its command line.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -30,10 +31,14 @@ def _run(*cmd) -> str:
 
 
 def kernel_of(name: str):
-    """(kernel, KV dtype, its constexprs as the engine launches it) for int4 | fp8_e4m3 | fp8_e5m2 | int8."""
+    """(kernel, KV dtype, its constexprs as the engine launches it) for int4 | fp8_e4m3 | fp8_e5m2 | int8,
+    or _<name> for a git-ignored INT4 experiment copy (as `int4_direct_check.py --variants mod_<name>`)."""
     if name == "int4":
         from kvmesh.kernels.decode_int4_direct import decode_int4_direct_kernel
         return decode_int4_direct_kernel, "int4", {"L2PF": True, "TAIL_FIRST": True}
+    if name.startswith("_"):  # an experiment beside the shipped kernel: kernels/_<name>_int4_direct.py
+        mod = importlib.import_module(f"kvmesh.kernels.{name}_int4_direct")
+        return mod.decode_int4_direct_kernel, "int4", {"L2PF": True, "TAIL_FIRST": True}
     from kvmesh.kernels.decode_direct import CODE_MAX, FMT_CODES, LOADS, decode_direct_kernel
     fmt = FMT_CODES[name]
     lo = LOADS[fmt]  # as decode_direct() launches it
