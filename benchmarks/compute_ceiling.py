@@ -3,6 +3,10 @@ point into a few hot pages (every byte then comes from L2, or L1). If the hot ru
 the pages' trip from DRAM is what the kernel waits on; if they are not, its own instructions are.
 
     python3 benchmarks/compute_ceiling.py [--reps 20] [--dtypes int4,fp8_e4m3,int8,fp16]
+    python3 benchmarks/compute_ceiling.py --dtypes int4 --int4 "tail_first=0;mod_vinp:tail_first=0"
+
+--int4 times the INT4 kernel's variants instead of the engine's path, as `int4_direct_check.py` names
+them (its VARIANTS, or mod_<name>[:k=v] for a git-ignored copy kernels/_<name>_int4_direct.py).
 
 Same cases, data and timing as `kernels.py` (CUDA graph of 10 calls, median); the hot tables keep each
 sequence's length and split count, only the page ids change: "L2" scatters every sequence over the
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import sys
 from pathlib import Path
 
@@ -32,11 +37,22 @@ def hot_tables(meta, n_hot: int):
     return dataclasses.replace(meta, block_tables=hot.contiguous())
 
 
+def int4_variant(spec: str):
+    """(label, decode function, keyword arguments) of `spec`: k=v[,k=v] for the shipped kernel, or
+    mod_<name>[:k=v,...] for an experiment copy."""
+    name, _, opts = spec.partition(":") if spec.startswith("mod_") else ("", "", spec)
+    kw = {k: int(v) for k, v in (o.split("=") for o in opts.split(",") if o)}
+    mod = f"kvmesh.kernels._{name[4:]}_int4_direct" if name else "kvmesh.kernels.decode_int4_direct"
+    return spec, importlib.import_module(mod).decode_int4_direct, kw
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--dtypes", default="int4,fp8_e4m3,int8,fp16")
+    ap.add_argument("--int4", default="", help="INT4 kernel variants to time instead of the engine's path")
     a = ap.parse_args()
+    int4 = [int4_variant(v) for v in a.int4.split(";") if v] if a.int4 else []
     rows = []
     for batch, ctx in kb.DECODE_CASES:
         case = kb.decode_case(batch, ctx)
@@ -44,12 +60,14 @@ def main() -> None:
         for kv in a.dtypes.split(","):
             cache, meta, q, kn, vn = kb.decode_problem(kv, case)
             scale = kb.D ** -0.5
-            times = {}
-            for name, m in (("DRAM", meta), ("L2", hot_tables(meta, 256)),
-                            ("L1", hot_tables(meta, 1))):
-                times[name] = kb.time_ms(lambda: decode_attention(cache, 0, q, kn, vn, m, scale), a.reps)
-            rows.append((f"{batch}x{ctx}", kv, t_sdpa, times))
-            kb.log(f"  {batch}x{ctx} {kv}: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in times.items()))
+            runs = [(label, fn, kw) for label, fn, kw in int4] if kv == "int4" and int4 else [
+                (kv, decode_attention, {})]
+            for label, fn, kw in runs:
+                times = {}
+                for name, m in (("DRAM", meta), ("L2", hot_tables(meta, 256)), ("L1", hot_tables(meta, 1))):
+                    times[name] = kb.time_ms(lambda: fn(cache, 0, q, kn, vn, m, scale, **kw), a.reps)
+                rows.append((f"{batch}x{ctx}", label, t_sdpa, times))
+                kb.log(f"  {batch}x{ctx} {label}: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in times.items()))
             torch.cuda.empty_cache()
     print("\n| case | kv | SDPA us | pages from DRAM us (x SDPA) | from L2 us (x SDPA) | from L1 us (x SDPA) |")
     print("|---|---|---|---|---|---|")
