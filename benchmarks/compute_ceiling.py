@@ -54,21 +54,15 @@ def main() -> None:
     a = ap.parse_args()
     int4 = [int4_variant(v) for v in a.int4.split(";") if v] if a.int4 else []
     rows = []
-    for batch, ctx in kb.DECODE_CASES:
-        case = kb.decode_case(batch, ctx)
-        t_sdpa, _ = kb.time_sdpa(case, a.reps)
-        for kv in a.dtypes.split(","):
-            cache, meta, q, kn, vn = kb.decode_problem(kv, case)
-            scale = kb.D ** -0.5
-            runs = [(label, fn, kw) for label, fn, kw in int4] if kv == "int4" and int4 else [
-                (kv, decode_attention, {})]
-            for label, fn, kw in runs:
-                times = {}
-                for name, m in (("DRAM", meta), ("L2", hot_tables(meta, 256)), ("L1", hot_tables(meta, 1))):
-                    times[name] = kb.time_ms(lambda: fn(cache, 0, q, kn, vn, m, scale, **kw), a.reps)
-                rows.append((f"{batch}x{ctx}", label, t_sdpa, times))
-                kb.log(f"  {batch}x{ctx} {label}: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in times.items()))
-            torch.cuda.empty_cache()
+    for label_case, t_sdpa, kv, (cache, meta, q, kn, vn) in kb.decode_problems(a.dtypes.split(","), a.reps):
+        scale = kb.D ** -0.5
+        runs = [(label, fn, kw) for label, fn, kw in int4] if kv == "int4" and int4 else [(kv, decode_attention, {})]
+        for label, fn, kw in runs:
+            times = {}
+            for name, m in (("DRAM", meta), ("L2", hot_tables(meta, 256)), ("L1", hot_tables(meta, 1))):
+                times[name] = kb.time_ms(lambda: fn(cache, 0, q, kn, vn, m, scale, **kw), a.reps)
+            rows.append((label_case, label, t_sdpa, times))
+            kb.log(f"  {label_case} {label}: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in times.items()))
     print("\n| case | kv | SDPA us | pages from DRAM us (x SDPA) | from L2 us (x SDPA) | from L1 us (x SDPA) |")
     print("|---|---|---|---|---|---|")
     for case, kv, t_sdpa, t in rows:

@@ -177,6 +177,16 @@ def decode_problem(kv: str, case: DecodeCase, model_dtype: torch.dtype | None = 
     return cache, meta, q, kn, vn
 
 
+def decode_problems(kv_dtypes, reps: int):
+    """For each decode case and KV dtype: ("BxC", SDPA's ms on the case, kv, decode_problem's tuple)."""
+    for batch, ctx in DECODE_CASES:
+        case = decode_case(batch, ctx)
+        t_sdpa, _ = time_sdpa(case, reps)
+        for kv in kv_dtypes:
+            yield f"{batch}x{ctx}", t_sdpa, kv, decode_problem(kv, case)
+            torch.cuda.empty_cache()
+
+
 def time_sdpa(case: DecodeCase, reps: int) -> tuple[float, int]:
     """(ms, bytes moved) of SDPA (enable_gqa) over contiguous fp16 K/V [B, KVH, ctx, D] of the case's
     data; the contiguous copies are freed before returning."""

@@ -276,7 +276,8 @@ def test_gpu_pool_past_65536_pages(kv):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "int8"])
-@pytest.mark.parametrize("gqa,head_dim,bs", [(1, 128, 16), (4, 128, 16), (8, 64, 32), (3, 64, 16), (7, 128, 32)])
+@pytest.mark.parametrize("gqa,head_dim,bs", [(1, 128, 16), (4, 128, 16), (8, 64, 32), (3, 64, 16), (7, 128, 32),
+                                             (16, 128, 16), (12, 64, 32)])
 def test_gpu_direct_decode(kv, gqa, head_dim, bs):
     # the register-direct Gluon kernel (fp16 models): ragged contexts (none, residual only, exact
     # pages, pages + tail, long), its own split count, one split and more splits than some have pages
@@ -295,7 +296,7 @@ def test_gpu_direct_decode(kv, gqa, head_dim, bs):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "int8"])
-@pytest.mark.parametrize("gqa,head_dim,bs", [(4, 128, 16), (8, 64, 32), (3, 128, 16)])
+@pytest.mark.parametrize("gqa,head_dim,bs", [(4, 128, 16), (8, 64, 32), (3, 128, 16), (16, 128, 16)])
 def test_gpu_direct_reductions(kv, gqa, head_dim, bs):
     # the last split's one-pass reduction over 3, 4 and (forced) 7 splits, some of them empty, and
     # the second launch past FUSED_MAX_SPLITS; fp16 and bf16 models

@@ -26,10 +26,10 @@ def test_every_direct_kernel_builds_for_sm90(report):
     assert [(r["kernel"], r["head_dim"], r["group"]) for r in report] == [c[:3] for c in CASES]
 
 
-@pytest.mark.parametrize("i", range(6))
+@pytest.mark.parametrize("i", range(8))
 def test_chunk_loop_in_registers_with_tensor_cores_and_wide_loads(report, i):
     r = report[i]
-    assert 0 < r["registers"] <= r["cap"], r
+    assert 0 < r["registers"] <= (r["cap"] or 255), r
     assert r["stack"] == 0, f"spills: {r}"
     # a 16-token chunk: 16 channels a k-step for the scores, 16 rows an m-tile for the values
     assert r["hmma"] >= 2 * r["head_dim"] // 16, r

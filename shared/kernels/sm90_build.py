@@ -56,6 +56,9 @@ def compile_sass(kernel, kv_dtype: str, d: int, g: int, bs: int, extra: dict, ma
     from triton.experimental.gluon._runtime import GluonASTSource
 
     lay = BlockLayout(num_layers=1, kv_heads=8, head_dim=d, block_size=bs, kv_dtype=kv_dtype)
+    if "NH" in kernel.arg_names:  # the 8-bit kernel's head columns, as decode_direct() picks them
+        from kvmesh.kernels.decode_direct import head_columns
+        extra = {"NH": head_columns(g), **extra}
     consts = dict(V_OFF=lay.v_data_offset, KS_OFF=lay.k_scale_offset, VS_OFF=lay.v_scale_offset, KVH=8, G=g,
                   BS=bs, D=d, PARTIAL=partial, FUSED=partial, BF16=bf16, RMAX=4, **extra)
     names = kernel.arg_names
@@ -121,9 +124,10 @@ def chunk_loop(ins: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
 
 
 
-# (kernel, head_dim, G, register cap) as the engine launches them: Llama-3-8B's heads and SmolLM2's
+# (kernel, head_dim, G, register cap) as the engine launches them: Llama-3-8B's heads, SmolLM2's, and
+# 16 query heads a KV head (two MMA n-tiles; no cap)
 CASES = [(k, 128, 4, 168 if k == "int4" else 128) for k in ("int4", "fp8_e4m3", "fp8_e5m2", "int8")] + [
-    ("int4", 64, 3, 128), ("int8", 64, 3, 128)]
+    ("int4", 64, 3, 128), ("int8", 64, 3, 128), ("fp8_e4m3", 128, 16, None), ("int8", 128, 16, None)]
 
 
 def build_report(cases=CASES) -> list[dict]:

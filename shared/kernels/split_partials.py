@@ -20,16 +20,17 @@ if HAVE_GLUON:
 
     @gluon.jit
     def reduce_partials(part_out_ptr, part_lse_ptr, out_ptr, b, kvh, stride_ob, stride_oh, num_splits,
-                        KVH: gl.constexpr, G: gl.constexpr, D: gl.constexpr, RMAX: gl.constexpr):
+                        KVH: gl.constexpr, G: gl.constexpr, D: gl.constexpr, RMAX: gl.constexpr, H0: gl.constexpr = 0):
         """Combine every split's partial of (b, kvh), weights 2**(lse - max), into out: RMAX >=
         num_splits partials in one unrolled pass, so their loads are all in flight at once (two
         passes of dependent loads, max then sum, cost 0.7-0.9 % at 64 x 4,096, H200). Loads bypass
-        L1 (.cg): the partials were written by other SMs."""
+        L1 (.cg): the partials were written by other SMs. Heads H0 .. H0 + 7 of the group (8 at a time:
+        the unrolled pass holds RMAX partials of 8 heads in registers)."""
         # 8 channels a lane: 16-byte output stores (each store holds its registers until the store unit
         # takes it, and this program's end is the launch's)
         RL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // (D // 8), D // 8],
                                             warps_per_cta=[1, 1], order=[1, 0])
-        h = gl.arange(0, 8, layout=gl.SliceLayout(1, RL))
+        h = H0 + gl.arange(0, 8, layout=gl.SliceLayout(1, RL))
         d = gl.arange(0, D, layout=gl.SliceLayout(0, RL))
         hm = h < G
         ph = (b.to(gl.int64) * (KVH * G) + kvh * G + h) * num_splits  # [8] first partial of each head
@@ -99,24 +100,26 @@ if HAVE_GLUON:
     def store_output(o, l_i, m_i, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, b, kvh, split,
                      stride_ob, stride_oh, num_splits, KVH: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
                      PARTIAL: gl.constexpr, FUSED: gl.constexpr, RMAX: gl.constexpr):
-        """o: O^T [D, 8] normalized (MMA layout), its rows in logical channel order (row m holds memory
-        channel (D/8) (m % 8) + m // 8), l_i / m_i [8] the softmax sum and max (base 2) per head: the
-        output, or this split's partial (RMAX: see reduce_partials). Stored as [8 heads, D] rows, 16
+        """o: O^T [D, NH] normalized (MMA layout; NH = 8 or 16 head columns), its rows in logical channel
+        order (row m holds memory channel (D/8) (m % 8) + m // 8), l_i / m_i [NH] the softmax sum and max
+        (base 2) per head: the output, or this split's partial (RMAX: see reduce_partials). Stored as
+        [NH heads, D] rows, 16
         bytes a lane a store: straight from the MMA layout each lane held scattered channels, one
         2-byte store apiece, and each store held its register until the store unit took it (a third
         of a short program's time, H200)."""
-        rows = gl.reshape(gl.permute(gl.reshape(o, [D // 8, 8, 8]), [2, 1, 0]), [8, D])  # [head, channel]
+        NH: gl.constexpr = o.shape[1]
+        rows = gl.reshape(gl.permute(gl.reshape(o, [D // 8, 8, NH]), [2, 1, 0]), [NH, D])  # [head, channel]
         VEC: gl.constexpr = 4 if PARTIAL else 8  # 16 bytes of fp32 or of 16-bit values
         LANES: gl.constexpr = D // VEC if D // VEC < 32 else 32  # lanes along a row
         SL: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // LANES, LANES], [1, 1], [1, 0])
         rows = gl.convert_layout(rows, SL)
-        hr = gl.arange(0, 8, layout=gl.SliceLayout(1, SL))
+        hr = gl.arange(0, NH, layout=gl.SliceLayout(1, SL))
         cr = gl.arange(0, D, layout=gl.SliceLayout(0, SL))
         if PARTIAL:
-            ph = b.to(gl.int64) * (KVH * G) + kvh * G + hr  # [8] row of [B, H]
+            ph = b.to(gl.int64) * (KVH * G) + kvh * G + hr  # [NH] row of [B, H]
             gl.store(part_out_ptr + ((ph * num_splits + split) * D)[:, None] + cr[None, :], rows,
                      mask=(hr < G)[:, None])
-            hh = gl.arange(0, 8, layout=l_i.type.layout)
+            hh = gl.arange(0, NH, layout=l_i.type.layout)
             lse = gl.where(l_i > 0.0, m_i + gl.log2(gl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
             gl.store(part_lse_ptr + (b.to(gl.int64) * (KVH * G) + kvh * G + hh) * num_splits + split, lse,
                      mask=hh < G)
@@ -124,8 +127,9 @@ if HAVE_GLUON:
                 cta_barrier()  # every lane's partial is written before the count says so
                 done = gl.atomic_add(count_ptr + b * KVH + kvh, 1, sem="acq_rel", scope="gpu")
                 if done == num_splits - 1:
-                    reduce_partials(part_out_ptr, part_lse_ptr, out_ptr, b, kvh, stride_ob, stride_oh, num_splits,
-                                    KVH, G, D, RMAX)
+                    for h0 in gl.static_range(0, NH, 8):
+                        reduce_partials(part_out_ptr, part_lse_ptr, out_ptr, b, kvh, stride_ob, stride_oh,
+                                        num_splits, KVH, G, D, RMAX, h0)
                     gl.store(count_ptr + b * KVH + kvh, 0)  # ready for the next launch
         else:
             op = out_ptr + b.to(gl.int64) * stride_ob + ((kvh * G + hr) * stride_oh)[:, None] + cr[None, :]
