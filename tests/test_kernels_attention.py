@@ -229,6 +229,17 @@ def test_register_option_by_issue_bound_cost():
         assert cost(batch, ctx, 12, 1.0) < cost(batch, ctx, 16, 1.06)
 
 
+def test_wide_register_cap_follows_the_split_reduction():
+    """16 head columns (G 9-16): uncapped (8 programs an SM, no spills) where its splits still fuse,
+    the 168 cap (12 an SM) where a second launch reduces anyway, as measured on the H200 at 64 query /
+    4 KV heads; the uncapped residency matches resident_programs at 224 registers."""
+    from kvmesh.kernels.decode_direct import WIDE_CAP, WIDE_RESIDENT, wide_register_cap
+    assert resident_programs(224, 512, 1, 233472) == WIDE_RESIDENT
+    assert resident_programs(WIDE_CAP, 512, 1, 233472) == 12
+    cases = [(64, 4096), (256, 1024), (16, 16384), (8, 32768)]
+    assert [wide_register_cap(b, 4, c + 1, 132) for b, c in cases] == [None, None, WIDE_CAP, WIDE_CAP]
+
+
 # ----------------------------------------------------------------------------- GPU (H200)
 
 GPU_GRID = [(dt, g, d, bs) for dt in DTYPES for (g, d, bs) in [(1, 128, 16), (4, 128, 16), (8, 64, 32)]]

@@ -11,9 +11,9 @@ per 16-token chunk per warp, and the pages stream at 96-99 % of the read bandwid
 
 How the bytes land in the fragments (mma.m16n8k16, one warp per program, 16-token chunks):
 `mma_fragments.py`. Scores are transposed, S^T = K . q^T: q^T (the B operand [D, 8], the G <= 8
-query heads of the KV head) takes 16 registers (G 9-16: [D, 16], two n-tiles, NH = 16, no register
-cap: 224 registers, 1.35-1.58x SDPA at 64 query / 4 KV heads against the plain kernel's
-0.88-1.09x, H200), and S^T's accumulator has the heads where
+query heads of the KV head) takes 16 registers (G 9-16: [D, 16], two n-tiles, NH = 16, 224
+registers uncapped or 168 capped, `wide_register_cap`: 1.38-1.58x SDPA at 64 query / 4 KV heads
+against the plain kernel's 0.88-1.09x, H200), and S^T's accumulator has the heads where
 O^T = V^T . P^T keeps them, so the softmax statistics need no layout change; P^T moves into the B
 operand by a few warp shuffles. The output is un-permuted when stored.
 
@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.kernels.formats import FMT_CODES, FMT_E4M3, FMT_E5M2, FMT_INT8
-from kvmesh.kernels.split_partials import launch_direct
+from kvmesh.kernels.split_partials import FUSED_MAX_SPLITS, launch_direct
+from kvmesh.kernels.splits import num_sms, num_splits
 
 from kvmesh.kernels.mma_fragments import CHUNK, HAVE_GLUON
 
@@ -307,7 +308,9 @@ def decode_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.
     tail before its pages (None: as `loads` says)."""
     fmt = FMT_CODES[cache.layout.kv_dtype]
     nh = head_columns(q.shape[1] // cache.layout.kv_heads)
-    cap = maxnreg or (MAXNREG if q.shape[2] <= 128 and nh == 8 else None)  # 16 columns: 224 registers, no spills
+    cap = maxnreg or (MAXNREG if q.shape[2] <= 128 else None)
+    if nh == 16 and maxnreg is None:
+        cap = wide_register_cap(q.shape[0], cache.layout.kv_heads, meta.max_prefix_len + 1, num_sms(q.device))
     lo = loads or LOADS[fmt]
     return launch_direct(decode_direct_kernel, "direct", cache, layer, q, k, v, meta, scale, splits=splits,
                          fused=fused, maxnreg=cap, FMT=fmt, CMAX=CODE_MAX[fmt], KSEC=lo.k_sectors,
@@ -318,3 +321,17 @@ def decode_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.
 def head_columns(group: int) -> int:
     """The MMAs' head columns for G query heads a KV head: one n-tile of 8, or two."""
     return 8 if group <= 8 else 16
+
+
+WIDE_RESIDENT = 8  # programs an SM at 16 head columns uncapped (224-228 registers: two warps a quarter)
+WIDE_CAP = 168  # 12 programs an SM, 40-56 bytes of spills
+
+
+def wide_register_cap(batch: int, kv_heads: int, max_context: int, sms: int) -> int | None:
+    """The register cap at 16 head columns: none where the uncapped launch's splits still fuse (no
+    second launch, no spills), else WIDE_CAP, whose half again as many programs keep more bytes in
+    flight where a second launch reduces anyway. H200, 64 query / 4 KV heads (`decode_heads.py`):
+    the cap gave e4m3 +14-16 % (int8 +1-2 %) at 16 x 16,384 and 8 x 32,768 (16 and 33 splits
+    uncapped) and -6 to -9 % (int8 -7 to -19 %) at 64 x 4,096 and 256 x 1,024 (4 and 1)."""
+    n = num_splits(batch, kv_heads, max_context, sms, WIDE_RESIDENT, CHUNK)
+    return None if n <= FUSED_MAX_SPLITS else WIDE_CAP
