@@ -3,10 +3,10 @@ point into a few hot pages (every byte then comes from L2, or L1). If the hot ru
 the pages' trip from DRAM is what the kernel waits on; if they are not, its own instructions are.
 
     python3 benchmarks/compute_ceiling.py [--reps 20] [--dtypes int4,fp8_e4m3,int8,fp16]
-    python3 benchmarks/compute_ceiling.py --dtypes int4 --int4 "tail_first=0;mod_vinp:tail_first=0"
+    python3 benchmarks/compute_ceiling.py --dtypes int4 --int4 "tail_last;mod_vinp:tail_first=0"
 
---int4 times the INT4 kernel's variants instead of the engine's path, as `int4_direct_check.py` names
-them (its VARIANTS, or mod_<name>[:k=v] for a git-ignored copy kernels/_<name>_int4_direct.py).
+--int4 times the INT4 kernel's variants instead of the engine's path, named as `int4_direct_check.py`
+names them (its VARIANTS, or mod_<name>[:k=v] for a git-ignored copy kernels/_<name>_int4_direct.py).
 
 Same cases, data and timing as `kernels.py` (CUDA graph of 10 calls, median); the hot tables keep each
 sequence's length and split count, only the page ids change: "L2" scatters every sequence over the
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernels as kb  # noqa: E402  (maps kvmesh to shared/ when needed; cases, data and timing)
+from int4_direct_check import variant  # noqa: E402  (INT4 variants by name)
 
 from kvmesh.kernels.decode_attention import decode_attention  # noqa: E402
 
@@ -37,22 +37,13 @@ def hot_tables(meta, n_hot: int):
     return dataclasses.replace(meta, block_tables=hot.contiguous())
 
 
-def int4_variant(spec: str):
-    """(label, decode function, keyword arguments) of `spec`: k=v[,k=v] for the shipped kernel, or
-    mod_<name>[:k=v,...] for an experiment copy."""
-    name, _, opts = spec.partition(":") if spec.startswith("mod_") else ("", "", spec)
-    kw = {k: int(v) for k, v in (o.split("=") for o in opts.split(",") if o)}
-    mod = f"kvmesh.kernels._{name[4:]}_int4_direct" if name else "kvmesh.kernels.decode_int4_direct"
-    return spec, importlib.import_module(mod).decode_int4_direct, kw
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--dtypes", default="int4,fp8_e4m3,int8,fp16")
     ap.add_argument("--int4", default="", help="INT4 kernel variants to time instead of the engine's path")
     a = ap.parse_args()
-    int4 = [int4_variant(v) for v in a.int4.split(";") if v] if a.int4 else []
+    int4 = [(v, *variant(v)) for v in a.int4.split(";") if v]
     rows = []
     for label_case, t_sdpa, kv, (cache, meta, q, kn, vn) in kb.decode_problems(a.dtypes.split(","), a.reps):
         scale = kb.D ** -0.5

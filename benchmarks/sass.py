@@ -5,7 +5,7 @@ instruction counts here at no device time; time on the H200 (`kernels.py`, `int4
     python3 benchmarks/sass.py                       # INT4 at Llama-3-8B heads (D 128, G 4), fp16
     python3 benchmarks/sass.py --kernel int4 --d 64 --g 3 --maxnreg 128 --dump /tmp/int4.sass
 
-The loop is found as the largest backward branch's body (`BRA` to an earlier label) that holds HMMA:
+The loop is found as the smallest backward branch's body (`BRA` to an earlier label) that holds HMMA:
 the chunk loop, one chunk per iteration."""
 from __future__ import annotations
 

@@ -308,9 +308,10 @@ def decode_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.
     tail before its pages (None: as `loads` says)."""
     fmt = FMT_CODES[cache.layout.kv_dtype]
     nh = head_columns(q.shape[1] // cache.layout.kv_heads)
-    cap = maxnreg or (MAXNREG if q.shape[2] <= 128 else None)
-    if nh == 16 and maxnreg is None:
+    if maxnreg is None and nh == 16:
         cap = wide_register_cap(q.shape[0], cache.layout.kv_heads, meta.max_prefix_len + 1, num_sms(q.device))
+    else:
+        cap = maxnreg or (MAXNREG if q.shape[2] <= 128 else None)
     lo = loads or LOADS[fmt]
     return launch_direct(decode_direct_kernel, "direct", cache, layer, q, k, v, meta, scale, splits=splits,
                          fused=fused, maxnreg=cap, FMT=fmt, CMAX=CODE_MAX[fmt], KSEC=lo.k_sectors,

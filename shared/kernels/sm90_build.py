@@ -33,11 +33,8 @@ def _run(*cmd) -> str:
 def kernel_of(name: str):
     """(kernel, KV dtype, its constexprs as the engine launches it) for int4 | fp8_e4m3 | fp8_e5m2 | int8,
     or _<name> for a git-ignored INT4 experiment copy (as `int4_direct_check.py --variants mod_<name>`)."""
-    if name == "int4":
-        from kvmesh.kernels.decode_int4_direct import decode_int4_direct_kernel
-        return decode_int4_direct_kernel, "int4", {"L2PF": True, "TAIL_FIRST": True}
-    if name.startswith("_"):  # an experiment beside the shipped kernel: kernels/_<name>_int4_direct.py
-        mod = importlib.import_module(f"kvmesh.kernels.{name}_int4_direct")
+    if name == "int4" or name.startswith("_"):  # an experiment copy: kernels/_<name>_int4_direct.py
+        mod = importlib.import_module(f"kvmesh.kernels.{'decode' if name == 'int4' else name}_int4_direct")
         return mod.decode_int4_direct_kernel, "int4", {"L2PF": True, "TAIL_FIRST": True}
     from kvmesh.kernels.decode_direct import CODE_MAX, FMT_CODES, LOADS, decode_direct_kernel
     fmt = FMT_CODES[name]
@@ -51,6 +48,7 @@ def compile_sass(kernel, kv_dtype: str, d: int, g: int, bs: int, extra: dict, ma
                  partial: bool, bf16: bool) -> tuple[str, dict]:
     """(SASS text, {registers, stack, shared}) of `kernel` built for sm_90 at 8 KV heads, G query
     heads a KV head, head_dim d, block size bs; `partial`: split programs (partials, fused reduction)."""
+    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as triton_compile
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -88,7 +86,7 @@ def compile_sass(kernel, kv_dtype: str, d: int, g: int, bs: int, extra: dict, ma
         opts["maxnreg"] = maxnreg
     compiled = triton_compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     cubin = compiled.asm["cubin"]
-    bindir = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin"
+    bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
@@ -111,7 +109,8 @@ def instructions(sass: str) -> list[tuple[int, str, str]]:
 
 
 def chunk_loop(ins: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
-    """The body of the innermost backward branch that holds HMMA and the most instructions of it."""
+    """The chunk loop: the smallest body of a backward branch that holds HMMA (the innermost loop
+    with tensor-core work)."""
     best = []
     for addr, op, rest in ins:
         if op.startswith("BRA"):
@@ -121,7 +120,6 @@ def chunk_loop(ins: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
                 if any(o.startswith("HMMA") for _, o, _ in body) and (not best or len(body) < len(best)):
                     best = body
     return best
-
 
 
 # (kernel, head_dim, G, register cap) as the engine launches them: Llama-3-8B's heads, SmolLM2's, and
