@@ -33,7 +33,10 @@ VARIANTS_8 = [("default", dict()), ("tail first", dict(tail_first=True)), ("tail
               ("bf16 model", dict(bf16=True)),
               # the format's LOADS entry with one field changed (decode_direct.PageLoads)
               ("heads first", dict(loads_with=dict(heads_first=True))),
-              ("l2 hint", dict(loads_with=dict(l2_prefetch=128)))]
+              ("l2 hint", dict(loads_with=dict(l2_prefetch=128))),
+              ("l1 no-allocate", dict(loads_with=dict(l1_no_allocate=3))),
+              ("l1 no-allocate k", dict(loads_with=dict(l1_no_allocate=1))),
+              ("l1 no-allocate off", dict(loads_with=dict(l1_no_allocate=0)))]
 VARIANTS_16 = [("plain", dict(plain=True, heads_first=False)),
                ("plain heads first", dict(plain=True, heads_first=True))]
 

@@ -31,15 +31,19 @@ from kvmesh.kernels.torch_ref import TorchBackend  # noqa: E402
 
 VARIANTS = {"default": {}, "nocap": dict(maxnreg=None), "cap128": dict(maxnreg=128), "cap144": dict(maxnreg=144),
             "cap152": dict(maxnreg=152), "cap168": dict(maxnreg=168), "unfused": dict(fused=False), "nopf": dict(l2_prefetch=False),
-            "tail_last": dict(tail_first=False)}
+            "tail_last": dict(tail_first=False), "l1na": dict(l1_no_allocate=True),
+            "l1na_off": dict(l1_no_allocate=False)}
 # and "mod_<name>[:k=v,...]": the kernel of kernels/_<name>_int4_direct.py with those integer keyword
 # arguments (git-ignored copies: "mod_baseline" an earlier version, others an experiment)
 TOL = 2e-3
 log = kb.log
 
 
-def correctness() -> bool:
+def correctness(name: str = "default") -> bool:
+    """The grid above for one variant (a VARIANTS name or mod_<name>[:k=v,...])."""
     from test_kernels_attention import make_case, rel_l2
+
+    fn, base = variant(name)
 
     ok = True
     lens = [0, 17, 1000, 3000, 64, 2049, 511, 129]
@@ -56,11 +60,11 @@ def correctness() -> bool:
                 cache, meta, q, k, v = make_case("int4", gqa, d, bs, ls, [1] * len(ls), seed=gqa + d + bs, **case)
                 layer = case.get("layer", 1)
                 ref = TorchBackend().attend(cache, layer, q, k, v, meta, d ** -0.5)
-                out = decode_int4_direct(cache, layer, q, k, v, meta, d ** -0.5, **kw)
+                out = fn(cache, layer, q, k, v, meta, d ** -0.5, **{**base, **kw})
                 err = rel_l2(out, ref)
                 flag = "ok" if err <= TOL else "FAIL"
                 ok &= err <= TOL
-                log(f"  {flag} gqa={gqa} D={d} bs={bs} {str(dt)[6:]} {extra or ''} {kw or ''}: rel L2 {err:.2e}")
+                log(f"  {flag} {name} gqa={gqa} D={d} bs={bs} {str(dt)[6:]} {extra or ''} {kw or ''}: rel L2 {err:.2e}")
             except Exception:
                 ok = False
                 log(f"  FAIL gqa={gqa} D={d} bs={bs} {dt} {extra} {kw}:\n{traceback.format_exc()}")
@@ -154,20 +158,23 @@ def context_sweep(reps: int, contexts: list[int], variants: list[str]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--variants", default="default,nocap,cap128,unfused")
+    ap.add_argument("--variants", default="default,nocap,cap128,unfused",
+                    help="comma-separated, or ';'-separated when a variant takes several k=v (mod_x:a=1,b=2)")
+    ap.add_argument("--check", default="default", help="';'-separated variants the correctness grid runs")
     ap.add_argument("--skip-correctness", action="store_true")
     ap.add_argument("--split-sweep", default="", help="e.g. 1,2,3,4,8: time these split counts instead")
     ap.add_argument("--context-sweep", default="", help="e.g. 16,256,1024,2048,4096: a wave's fixed cost and rate")
     args = ap.parse_args()
+    variants = args.variants.split(";" if ";" in args.variants else ",")
     if args.context_sweep:
-        context_sweep(args.reps, [int(c) for c in args.context_sweep.split(",")], args.variants.split(","))
+        context_sweep(args.reps, [int(c) for c in args.context_sweep.split(",")], variants)
         return
     if args.split_sweep:
         split_sweep(args.reps, [int(c) for c in args.split_sweep.split(",")])
         return
     log(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    ok = True if args.skip_correctness else correctness()
-    rows = timing(args.reps, args.variants.split(","))
+    ok = args.skip_correctness or all([correctness(name) for name in args.check.split(";")])
+    rows = timing(args.reps, variants)
     print("\n| case | kernel | ms | x SDPA | rel. diff vs tile kernel |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]:.4f} | {r[3]:.2f}x | {r[4]:.1e} |")

@@ -134,7 +134,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _load_chunk(pool_ptr, bt_row, chunk, kvh, page_stride, layer_off, ko, vo, KS_OFF: gl.constexpr,
                     VS_OFF: gl.constexpr, FMT: gl.constexpr, BS: gl.constexpr, D: gl.constexpr,
-                    KSEC: gl.constexpr, L2PF: gl.constexpr):
+                    KSEC: gl.constexpr, L2PF: gl.constexpr, L1NA: gl.constexpr):
         """Codes (uint32 words [16, D/4], K in k_layout, V in v_layout) and scales of one 16-token
         chunk of a page: fp32 scalars (fp8, the page's) or fp32 [16, 1] per token (int8). ko / vo:
         the loop-invariant word offsets of the thread's K and V words inside a page's layer region
@@ -147,11 +147,11 @@ if HAVE_GLUON:
         if CPP > 1:  # the chunk's rows inside the page
             r = (chunk % CPP) * CHUNK_C
             r0 = r0 + r
-            kb = load_words(p32 + (ko + r * (D // 4)), D, False, KSEC, L2PF)
-            vb = load_words(p32 + (vo + r * (D // 4)), D, True, KSEC, L2PF)
+            kb = load_words(p32 + (ko + r * (D // 4)), D, False, KSEC, L2PF, (L1NA & 1) != 0)
+            vb = load_words(p32 + (vo + r * (D // 4)), D, True, KSEC, L2PF, (L1NA & 2) != 0)
         else:
-            kb = load_words(p32 + ko, D, False, KSEC, L2PF)
-            vb = load_words(p32 + vo, D, True, KSEC, L2PF)
+            kb = load_words(p32 + ko, D, False, KSEC, L2PF, (L1NA & 1) != 0)
+            vb = load_words(p32 + vo, D, True, KSEC, L2PF, (L1NA & 2) != 0)
         if FMT == 5:  # per token, along the rows of S^T
             ps = pb.to(gl.pointer_type(gl.float16), bitcast=True)
             t = r0 + gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, MMA))
@@ -195,6 +195,7 @@ if HAVE_GLUON:
         HEADS_FIRST: gl.constexpr = False,  # grid (KVH, B, splits): a sequence's heads are launched together
         TAIL_FIRST: gl.constexpr = False,  # the last split takes its tail while its first chunk loads
         NH: gl.constexpr = 8,  # the MMAs' head columns: 8 (G <= 8) or 16 (G <= 16: two n-tiles)
+        L1NA: gl.constexpr = 0,  # page loads that allocate no L1 line (each byte is read once): 1 K, 2 V, 3 both
     ):
         LK: gl.constexpr = k_layout(D, False, KSEC)
         LV: gl.constexpr = v_layout(D, False)
@@ -252,14 +253,14 @@ if HAVE_GLUON:
         ko = ((kvh * BS + tkw) * (D // 4))[:, None] + wk[None, :]  # loop-invariant word offsets in a page
         vo = V_OFF // 4 + ((kvh * BS + tvw) * (D // 4))[:, None] + wv[None, :]
         kb, vb, ks, vs = _load_chunk(pool_ptr, bt_row, gl.minimum(lo, gl.maximum(n_chunks - 1, 0)), kvh,
-                                     page_stride, layer_off, ko, vo, KS_OFF, VS_OFF, FMT, BS, D, KSEC, L2PF)
+                                     page_stride, layer_off, ko, vo, KS_OFF, VS_OFF, FMT, BS, D, KSEC, L2PF, L1NA)
         if TAIL_FIRST:  # while the first chunk loads: the tail's round trips overlap the pages' first ones
             if split == num_splits - 1:
                 acc, m_i, l_i = _tail(acc, m_i, l_i, q_op, kcorr, k_new, v_new, res_k, prefix % BS, tk, ck, tv, cv,
                                       qk_scale, CMAX, KVH, BS, D, BF16, KSEC)
         for c in range(lo, hi):
             kb_n, vb_n, ks_n, vs_n = _load_chunk(pool_ptr, bt_row, gl.minimum(c + 1, hi - 1), kvh, page_stride,
-                                                 layer_off, ko, vo, KS_OFF, VS_OFF, FMT, BS, D, KSEC, L2PF)
+                                                 layer_off, ko, vo, KS_OFF, VS_OFF, FMT, BS, D, KSEC, L2PF, L1NA)
             acc, m_i, l_i = _chunk(acc, m_i, l_i, q_op, kcorr, codes_fp16(kb, FMT, OFFSET),
                                    codes_fp16(vb, FMT, False), ks, vs * CMAX, qk_scale, every, False, OFFSET, D,
                                    KSEC)
@@ -283,18 +284,23 @@ MAXNREG = 128  # 16 one-warp programs per SM (D <= 128); uncapped, int8's prefet
 
 @dataclass(frozen=True)
 class PageLoads:
-    """How a program reads its pages (kernel constexprs KSEC, L2PF, HEADS_FIRST, TAIL_FIRST)."""
+    """How a program reads its pages (kernel constexprs KSEC, L2PF, HEADS_FIRST, TAIL_FIRST, L1NA)."""
 
     k_sectors: bool = True  # K loads in whole 32-byte sectors (mma_fragments.k_layout SEC)
     l2_prefetch: int = 128  # bytes L2 fetches around each page load (ld.global.L2::<n>B; 0: none)
     heads_first: bool = True  # grid (KVH, B, splits): a sequence's KV heads launched side by side
     tail_first: bool = True  # the last split reads its residual tail while its first chunk loads
+    l1_no_allocate: int = 0  # page loads that allocate no L1 line (ld.global.L1::no_allocate): 1 K, 2 V, 3 both
 
 
 # H200, two runs of benchmarks/decode_direct_sweep.py (docs/decode_direct.md): fp8 +0.3-1.3 % at three
 # cases with all three; int8 with them -0.6-+0.2 % (its K sectors + hints alone spill and lose 1.5-4 %).
-# The tail first: fp8 +0.5-0.7 % at three cases (equal at 256 x 1,024), int8 -0.7-1.5 % at two
-LOADS = {FMT_E4M3: PageLoads(), FMT_E5M2: PageLoads(), FMT_INT8: PageLoads(False, 0, False, False)}
+# The tail first: fp8 +0.5-0.7 % at three cases (equal at 256 x 1,024), int8 -0.7-1.5 % at two.
+# L1 no-allocate (fourteenth session): fp8 +1.6-2.5 %, int8 +0.8-3.2 % at every case (the bytes are read
+# once, by one warp). int8 gains it on its V loads (K alone: +-0.5 %), which as one pack spill 8 bytes
+# under the 128 cap (sm90_build.SPILL_BUDGET)
+LOADS = {FMT_E4M3: PageLoads(l1_no_allocate=3), FMT_E5M2: PageLoads(l1_no_allocate=3),
+         FMT_INT8: PageLoads(False, 0, False, False, l1_no_allocate=3)}
 
 
 def decode_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float, *,
@@ -316,7 +322,8 @@ def decode_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.
     return launch_direct(decode_direct_kernel, "direct", cache, layer, q, k, v, meta, scale, splits=splits,
                          fused=fused, maxnreg=cap, FMT=fmt, CMAX=CODE_MAX[fmt], KSEC=lo.k_sectors,
                          L2PF=lo.l2_prefetch, HEADS_FIRST=lo.heads_first and q.shape[0] < 65536,
-                         TAIL_FIRST=lo.tail_first if tail_first is None else tail_first, NH=nh)
+                         TAIL_FIRST=lo.tail_first if tail_first is None else tail_first, NH=nh,
+                         L1NA=lo.l1_no_allocate)
 
 
 def head_columns(group: int) -> int:

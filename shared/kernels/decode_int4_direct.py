@@ -56,7 +56,7 @@ if HAVE_GLUON:
                                                v_words_layout, words_layout)
     from kvmesh.kernels.int4_page_loads import header_scalars, load_keys, load_values
     from kvmesh.kernels.split_partials import chunk_lines, page_base, prefetch_l2, store_output
-    from kvmesh.kernels.mma_fragments import (A_OP, B_OP, CHUNK_C, MMA, halves, tail_rows, to_fp16,
+    from kvmesh.kernels.mma_fragments import (A_OP, B_OP, CHUNK_C, MMA, halves, load_hint, tail_rows, to_fp16,
                                               v_layout, v_operand)
 
 MAXNREG = 168  # a ceiling: at head_dim 128 the kernel takes 140 (still 12 one-warp programs per SM:
@@ -209,6 +209,7 @@ if HAVE_GLUON:
         L2PF: gl.constexpr,  # ask L2 for chunk c + 2 while chunk c + 1 loads
         RMAX: gl.constexpr = 4,  # FUSED: partials the reduction unrolls over (a power of two >= splits)
         TAIL_FIRST: gl.constexpr = False,  # the last split takes its tail while its first chunk loads
+        L1NA: gl.constexpr = False,  # the K and V row loads allocate no L1 line (each byte is read once)
     ):
         LKW: gl.constexpr = words_layout(D // 8, 16)
         LVW: gl.constexpr = v_words_layout(D)
@@ -306,8 +307,8 @@ if HAVE_GLUON:
         last = gl.maximum(hi - 1, 0)
         c0 = gl.minimum(lo, last)
         pb = page_base(pool_ptr, gl.load(bt_row + c0 // CPP), page_stride, layer_off)
-        kw, cs, hk = load_keys(pb, c0, ko, co, rec, BS, D)
-        vw, vc, hv = load_values(pb, c0, vo, so, rec, BS, D)
+        kw, cs, hk = load_keys(pb, c0, ko, co, rec, BS, D, load_hint(0, L1NA))
+        vw, vc, hv = load_values(pb, c0, vo, so, rec, BS, D, load_hint(0, L1NA))
         page1 = gl.load(bt_row + gl.minimum(lo + 1, last) // CPP)
         page2 = gl.load(bt_row + gl.minimum(lo + 2, last) // CPP)
         if TAIL_FIRST:  # while the first chunk loads: the tail's round trips overlap the pages' first ones
@@ -340,10 +341,10 @@ if HAVE_GLUON:
                 pb = page_base(pool_ptr, page1, page_stride, layer_off)
                 offset = page_rows.index(c // CPP - p0).load(HL)[None, :]  # the page's row, for all 16 tokens
                 st = _scores(q_lo.load(LCB), q_hi.load(LCB), kw, cs, hk, offset, k_unit, D)
-                kw, cs, hk = load_keys(pb, gl.minimum(c + 1, last), ko, co, rec, BS, D)
+                kw, cs, hk = load_keys(pb, gl.minimum(c + 1, last), ko, co, rec, BS, D, load_hint(0, L1NA))
                 acc, accm, mb, m_i, l_i, e_cur = _softmax_values(acc, accm, mb, m_i, l_i, e_cur, st, vw, vc, sel_s,
                                                                  sel_m, hv, D)
-                vw, vc, hv = load_values(pb, gl.minimum(c + 1, last), vo, so, rec, BS, D)
+                vw, vc, hv = load_values(pb, gl.minimum(c + 1, last), vo, so, rec, BS, D, load_hint(0, L1NA))
                 page1 = page2
                 page2 = page3
         m = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
@@ -372,15 +373,16 @@ if HAVE_GLUON:
 def decode_int4_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float, *,
                        splits: int | None = None, fused: bool | None = None,
                        maxnreg: int | None = -1,
-                       l2_prefetch: bool = True, tail_first: bool = True) -> torch.Tensor:
+                       l2_prefetch: bool = True, tail_first: bool = True,
+                       l1_no_allocate: bool = True) -> torch.Tensor:
     """out [B, H, D] for q [B, H, D] fp16 or bf16 (one new token per sequence; k/v [B, KVH, D] its new
     K/V) over int4 pages; `supports` must hold and the caller has checked the arguments. `splits`
     overrides the split count, `fused` whether the last split reduces (None: up to
     FUSED_MAX_SPLITS), `maxnreg` the register cap (-1: REGISTER_CAP_D64 at head_dim 64, at 128
     REGISTER_OPTIONS, the cheaper for the shape; None: none), `tail_first` whether the last split
-    takes its tail before its pages."""
+    takes its tail before its pages, `l1_no_allocate` whether its row loads skip L1."""
     if maxnreg == -1:  # head_dim 256 spills under any cap
         maxnreg = {64: REGISTER_CAP_D64, 128: REGISTER_OPTIONS}.get(q.shape[2])
     return launch_direct(decode_int4_direct_kernel, "int4-direct", cache, layer, q, k, v, meta, scale,
                          splits=splits, fused=fused, maxnreg=maxnreg,
-                         L2PF=l2_prefetch, TAIL_FIRST=tail_first)
+                         L2PF=l2_prefetch, TAIL_FIRST=tail_first, L1NA=l1_no_allocate)

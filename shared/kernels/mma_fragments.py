@@ -135,18 +135,25 @@ if HAVE_GLUON:
         return gl.inline_asm_elementwise(asm=pack_asm(LAYOUT, ROW_BYTES, HINT), constraints=pack_constraints(LAYOUT),
                                          args=[p], dtype=gl.uint32, is_pure=True, pack=N)
 
+    @gluon.constexpr_function
+    def load_hint(l2_bytes, l1_no_allocate):
+        """The qualifiers of a page load: L1 not allocated (the bytes are read once), L2 fetching
+        l2_bytes around a miss (0: neither said)."""
+        return (".L1::no_allocate" if l1_no_allocate else "") + (l2_hint(l2_bytes) if l2_bytes else "")
+
     @gluon.jit
-    def load_words(p, D: gl.constexpr, V: gl.constexpr, SEC: gl.constexpr, L2PF: gl.constexpr):
+    def load_words(p, D: gl.constexpr, V: gl.constexpr, SEC: gl.constexpr, L2PF: gl.constexpr,
+                   L1NA: gl.constexpr = False):
         """uint32 words [16, D/4] of a chunk's K (V: V) codes at the pointers p (k_layout(D, True, SEC),
-        or v_layout(D, True) with V; a token's codes are D bytes): a plain load, or with L2PF one
-        pack a thread whose loads tell L2 to fetch L2PF bytes around them from DRAM on a miss
-        (ld.global.L2::<n>B, which Triton's own loads never emit)."""
-        if L2PF == 0:
+        or v_layout(D, True) with V; a token's codes are D bytes): a plain load, or one pack a
+        thread with qualifiers Triton's own loads never emit: L2PF, L2 fetches that many bytes around
+        a miss (ld.global.L2::<n>B); L1NA, no L1 line is allocated (ld.global.L1::no_allocate)."""
+        if L2PF == 0 and not L1NA:
             w = gl.load(p)
         elif V:
-            w = load_pack(p, v_layout(D, True), D, l2_hint(L2PF))
+            w = load_pack(p, v_layout(D, True), D, load_hint(L2PF, L1NA))
         else:
-            w = load_pack(p, k_layout(D, True, SEC), D, l2_hint(L2PF))
+            w = load_pack(p, k_layout(D, True, SEC), D, load_hint(L2PF, L1NA))
         return w
 
     @gluon.jit

@@ -35,13 +35,13 @@ def kernel_of(name: str):
     or _<name> for a git-ignored INT4 experiment copy (as `int4_direct_check.py --variants mod_<name>`)."""
     if name == "int4" or name.startswith("_"):  # an experiment copy: kernels/_<name>_int4_direct.py
         mod = importlib.import_module(f"kvmesh.kernels.{'decode' if name == 'int4' else name}_int4_direct")
-        return mod.decode_int4_direct_kernel, "int4", {"L2PF": True, "TAIL_FIRST": True}
+        return mod.decode_int4_direct_kernel, "int4", {"L2PF": True, "TAIL_FIRST": True, "L1NA": True}
     from kvmesh.kernels.decode_direct import CODE_MAX, FMT_CODES, LOADS, decode_direct_kernel
     fmt = FMT_CODES[name]
     lo = LOADS[fmt]  # as decode_direct() launches it
     return decode_direct_kernel, name, {"FMT": fmt, "CMAX": CODE_MAX[fmt], "KSEC": lo.k_sectors,
                                         "L2PF": lo.l2_prefetch, "HEADS_FIRST": lo.heads_first,
-                                        "TAIL_FIRST": lo.tail_first}
+                                        "TAIL_FIRST": lo.tail_first, "L1NA": lo.l1_no_allocate}
 
 
 def compile_sass(kernel, kv_dtype: str, d: int, g: int, bs: int, extra: dict, maxnreg: int | None,
@@ -122,6 +122,9 @@ def chunk_loop(ins: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
     return best
 
 
+# bytes of spills a case may take: int8's V loads as one L1::no_allocate pack (decode_direct.LOADS) spill 8
+# bytes under the 128 cap (2 LDL a chunk), and still ran 1.5-2.9 % faster on the H200
+SPILL_BUDGET = {("int8", 128, 4): 8}
 # (kernel, head_dim, G, register cap) as the engine launches them: Llama-3-8B's heads, SmolLM2's, and
 # 16 query heads a KV head (two MMA n-tiles; no cap)
 CASES = [(k, 128, 4, 168 if k == "int4" else 128) for k in ("int4", "fp8_e4m3", "fp8_e5m2", "int8")] + [
