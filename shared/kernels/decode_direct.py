@@ -24,7 +24,8 @@ output is divided by C at the end. Full pages need no masks; the residual tail a
 chunk loads, `PageLoads.tail_first`). The next chunk's loads are in flight while a
 chunk is computed (pages carried as 32-bit words: as bytes, each would take a register). fp8 pages
 are read with K in whole 32-byte sectors, one inline-asm pack of vector loads per operand with an
-L2 prefetch-size hint, and the grid launches a sequence's KV heads side by side (`PageLoads`). Splits
+L2 prefetch-size hint, and the grid launches a sequence's KV heads side by side; 8-bit page loads
+allocate no L1 line, since each byte is read once (`PageLoads`). Splits
 write partials like the plain kernel's; up to FUSED_MAX_SPLITS the last split of each (sequence,
 KV head) reduces them (a counter per pair), beyond that `reduce_splits_kernel` does.
 """

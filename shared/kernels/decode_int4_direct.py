@@ -23,15 +23,15 @@ shuffles); fp32 accumulators, added to the output at the end.
 Loads: the next chunk's keys are issued once this chunk's scores are done and its values once its
 values are, into the registers just freed (a whole chunk ahead they need a second set, and ptxas
 copies every word once a chunk), a thread's K (and V) words as one pack of vector loads at
-immediate offsets from one address; L2 is asked for the chunk after that (one prefetch a lane), so
-those loads find it there. What stays the same through the loop and is read once a chunk (the q'
+immediate offsets from one address, allocating no L1 line (each byte is read once); L2 is asked for
+the chunk after that (one prefetch a lane), so those loads find it there. What stays the same through the loop and is read once a chunk (the q'
 pairs, sum(q'), the 16 pages' offsets) waits in shared memory, not in registers: 140 registers
 instead of 166, so ptxas has the room to issue the next chunk's loads before the softmax (under
 register pressure it sank them below it, and the keys then had only the values part as cover).
 
 Fragments, layouts and the PTX: `int4_fragments.py`. Splits, the fused split reduction, the
 residual tail (full precision, one masked chunk) and the new token as in `decode_direct.py`. SASS,
-timings and every variant measured: docs/decode_direct.md, "INT4" (2.43-2.55x SDPA on the H200).
+timings and every variant measured: docs/decode_direct.md, "INT4" (2.45-2.58x SDPA on the H200).
 """
 from __future__ import annotations
 
