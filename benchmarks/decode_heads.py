@@ -4,8 +4,11 @@ cases, data and timing as `kernels.py` (CUDA graph of 10 calls, median).
 
     python3 benchmarks/decode_heads.py --q-heads 64 --kv-heads 4      # G 16 (Qwen3-235B-A22B's heads)
     python3 benchmarks/decode_heads.py --q-heads 64 --kv-heads 4 --variants "maxnreg=168"
+    python3 benchmarks/decode_heads.py --q-heads 64 --kv-heads 4 --dtypes int4   # + the INT4 direct kernel
 
---variants times `decode_direct` with those keyword arguments beside the engine's path (8-bit pages)."""
+--variants times `decode_direct` with those keyword arguments beside the engine's path (8-bit pages); for
+int4 pages the direct kernel is timed beside the engine's path, which G > `ROUTED_GROUP` sends to the tile
+kernel."""
 from __future__ import annotations
 
 import argparse
@@ -17,6 +20,7 @@ import kernels as kb  # noqa: E402  (maps kvmesh to shared/ when needed; cases, 
 
 from kvmesh.kernels.decode_attention import decode_attention  # noqa: E402
 from kvmesh.kernels.decode_direct import decode_direct  # noqa: E402
+from kvmesh.kernels.decode_int4_direct import decode_int4_direct  # noqa: E402
 
 
 def main() -> None:
@@ -36,8 +40,11 @@ def main() -> None:
         scale = a.head_dim ** -0.5
         runs = [("engine", lambda: decode_attention(cache, 0, q, kn, vn, meta, scale)),
                 ("plain", lambda: decode_attention(cache, 0, q, kn, vn, meta, scale, direct=False))]
-        runs += [(",".join(f"{k}={v}" for k, v in kw.items()),
-                  lambda kw=kw: decode_direct(cache, 0, q, kn, vn, meta, scale, **kw)) for kw in variants]
+        if kv == "int4":  # the direct kernel even where the engine does not send it yet (ROUTED_GROUP)
+            runs += [("int4 direct", lambda: decode_int4_direct(cache, 0, q, kn, vn, meta, scale))]
+        else:
+            runs += [(",".join(f"{k}={v}" for k, v in kw.items()),
+                      lambda kw=kw: decode_direct(cache, 0, q, kn, vn, meta, scale, **kw)) for kw in variants]
         for name, fn in runs:
             t = kb.time_ms(fn, a.reps)
             rows.append((case, kv, name, t, t_sdpa / t))

@@ -34,7 +34,7 @@ echo "benchmark exit: $?" | tee -a "$OUT/bench.log"
 # what bounds each kernel (pages from DRAM against pages from L2), and 16 query heads a KV head
 timeout 120 $PY benchmarks/compute_ceiling.py > "$OUT/ceiling.log" 2>&1
 echo "compute ceiling exit: $?" | tee -a "$OUT/bench.log"
-timeout 120 $PY benchmarks/decode_heads.py --q-heads 64 --kv-heads 4 > "$OUT/heads.log" 2>&1
+timeout 150 $PY benchmarks/decode_heads.py --q-heads 64 --kv-heads 4 --dtypes fp8_e4m3,int8,int4 > "$OUT/heads.log" 2>&1
 echo "decode heads exit: $?" | tee -a "$OUT/bench.log"
 
 echo "== GPU tests, four groups at once" | tee "$OUT/tests.log"

@@ -39,7 +39,7 @@ import os
 
 import torch
 
-from kvmesh.kernels.decode_direct import AVAILABILITY  # one switch for the Gluon kernels
+from kvmesh.kernels.decode_direct import AVAILABILITY, head_columns  # one switch for the Gluon kernels
 from kvmesh.kernels.int4_codec import HEADER  # bytes of the K and V headers of each head's K record
 from kvmesh.kernels.mma_fragments import CHUNK, HAVE_GLUON
 from kvmesh.kernels.split_partials import launch_direct
@@ -68,11 +68,18 @@ REGISTER_OPTIONS = ((MAXNREG, 1.0), (128, 1.06))
 REGISTER_CAP_D64 = 128
 
 
+# G 9-16 builds (two MMA n-tiles, NH 16: 221-226 registers uncapped at head_dim 128, no spills, 469
+# instructions a chunk against 350, sm_90) and has GPU tests, which have not run yet: the engine sends it
+# G <= ROUTED_GROUP until they have, and the tile kernel serves larger groups
+ROUTED_GROUP = 8
+
+
 def supports(q: torch.Tensor, residual_dtype: torch.dtype, group: int, head_dim: int, block_size: int) -> bool:
-    """Whether this kernel serves the case (else `decode_int4.py` does): an fp16 or bf16 model, G <= 8
-    query heads per KV head, 16-token chunks, head_dim 64-256."""
+    """Whether this kernel serves the case (else `decode_int4.py` does): an fp16 or bf16 model, G <=
+    ROUTED_GROUP query heads per KV head, 16-token chunks, head_dim 64-256."""
     return (HAVE_GLUON and AVAILABILITY.error is None and q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-            and q.dtype in (torch.float16, torch.bfloat16) and residual_dtype == q.dtype and 1 <= group <= 8
+            and q.dtype in (torch.float16, torch.bfloat16) and residual_dtype == q.dtype
+            and 1 <= group <= ROUTED_GROUP
             and head_dim in (64, 128, 256) and block_size % CHUNK == 0
             and torch.cuda.get_device_capability(q.device) >= (8, 0))
 
@@ -106,14 +113,14 @@ if HAVE_GLUON:
         vsf = v_ss * ((251 - e_cur) << 23).to(gl.float32, bitcast=True) + gl.zeros_like(sel_s).to(gl.float32)
         s2, m2 = v_code_pairs(vc, sel_s, sel_m, vsf)  # [8 tp, 8 g]: true scale x F; the m codes
         acc = mma_v2(v_nibbles(vw, s2, D), pt, acc)
-        mm, sp = row_halves(mma_v2(m_codes_operand(m2), pt, gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA)))
+        mm, sp = row_halves(mma_v2(m_codes_operand(m2), pt, gl.zeros([CHUNK_C, pt.shape[1]], gl.float32, layout=MMA)))
         return acc, accm + mm * v_ms, mb + sp * v_mb, l_i + sp
 
     @gluon.jit
     def _page_offsets(pool_ptr, bt_row, p0, p_last, rr, cmo, rec, q_op, sq, qk_q, page_stride, layer_off,
                       D: gl.constexpr):
         """q . m of 16 pages at once, m = cm m_step + m_base per channel (a page's score offset, the
-        same for its every token), in log2 units: [16 pages, 8 heads] (MMA layout), page p0 + r in row r
+        same for its every token), in log2 units: [16 pages, NH heads] (MMA layout), page p0 + r in row r
         (pages past p_last read p_last). One MMA over the 16 pages' m codes against q, where a chunk
         at a time took an MMA whose 16 rows were all alike."""
         pages = gl.load(bt_row + gl.minimum(p0 + rr, p_last))  # [16]
@@ -122,26 +129,28 @@ if HAVE_GLUON:
         hk = gl.load(pb.to(gl.pointer_type(gl.uint64), bitcast=True) + rec // 8)
         k_mb, k_ms, _ = header_scalars(gl.convert_layout(hk, gl.SliceLayout(1, MMA), assert_trivial=True))
         cm_op = gl.convert_layout(logical_k(code_pairs(cm), D), A_OP, assert_trivial=True)
-        qm = mma_v2(cm_op, q_op, gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA))  # sum q' (4 + cm / 256)
+        qm = mma_v2(cm_op, q_op, gl.zeros([CHUNK_C, q_op.shape[1]], gl.float32, layout=MMA))  # sum q' (4 + cm / 256)
         return (qm * (qk_q * 256.0 * k_ms)[:, None]
                 + sq * (qk_q * (k_mb - 1024.0 * k_ms))[:, None])
 
     @gluon.jit
     def _scores(ql, qh, kw, cs, hk, offset, k_unit, D: gl.constexpr):
-        """S^T [16 tokens, 8 heads] of a chunk of full pages, in log2 units; offset [16, 8]: the page's
+        """S^T [16 tokens, NH heads] of a chunk of full pages, in log2 units; offset [1, NH]: the page's
         q . m (`_page_offsets`), every row alike; k_unit: the nibble and code units and the softmax
         scale, over q's power of two."""
         _, _, k_ss = header_scalars(hk)  # m_base, m_step: the page's offset (_page_offsets)
+        if ql.shape[0] != cs.shape[0]:  # 16 head rows: the page's codes serve both n-tiles
+            cs = gl.convert_layout(rows_joined(cs, cs), ql.type.layout, assert_trivial=True)
         # keys: q' * cs 2**-24 (a byte permute and a multiply a pair), nibbles n 2**-24: subnormals
         qs_op = b_operand(logical_k(scaled_code_pairs(cs, ql, qh), D), D)
-        st = mma_v2(k_nibbles(kw, D), qs_op, gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA))
+        st = mma_v2(k_nibbles(kw, D), qs_op, gl.zeros([CHUNK_C, qs_op.shape[1]], gl.float32, layout=MMA))
         return st * (k_unit * k_ss) + offset
 
     @gluon.jit
     def _softmax_values(acc, accm, mb, m_i, l_i, e_cur, st, vw, vc, sel_s, sel_m, hv, D: gl.constexpr):
         """The online softmax of a chunk's scores st and its values into the state: acc in units of
         the page's F (e_cur: the exponent field of the s_step F was taken from), the V m part into
-        accm / mb ([8 g, 8 heads]; mb and l_i: every row alike). Returns the updated state."""
+        accm / mb ([8 g, NH heads]; mb and l_i: every row alike). Returns the updated state."""
         v_mb, v_ms, v_ss = header_scalars(hv)
         # values: F = 2**(-3 - exponent of s_step) keeps the scale pairs below 64 (1024 s fits fp16);
         # F's are powers of two, so their ratio is a difference of exponent fields (no division)
@@ -153,10 +162,20 @@ if HAVE_GLUON:
         return acc, accm, mb, m_new, l_i, e_new
 
     @gluon.jit
+    def q_operand(x, NH: gl.constexpr):
+        """fp16 [16 heads, D] in logical channel order -> the B operand q^T [D, NH]: rows 8-15 dropped
+        at NH 8 (padding), both n-tiles at 16."""
+        if NH == 8:
+            op = gl.convert_layout(gl.permute(halves(x), [1, 0]), B_OP, assert_trivial=True)
+        else:
+            op = gl.convert_layout(gl.permute(x, [1, 0]), B_OP)
+        return op
+
+    @gluon.jit
     def _tail(acc, m_i, l_i, q_rows, g_rows, k_new, v_new, res_k, n_tail, tq, cq, qk_scale, KVH: gl.constexpr,
-              BS: gl.constexpr, D: gl.constexpr, BF16: gl.constexpr):
+              BS: gl.constexpr, D: gl.constexpr, BF16: gl.constexpr, NH: gl.constexpr):
         """The residual tail (n_tail tokens at res_k, full precision) and the new token (k_new / v_new
-        [D]) into acc [D, 8] (plain units), m_i and l_i ([8], HL), in masked 16-token chunks; also
+        [D]) into acc [D, NH] (plain units), m_i and l_i ([NH], HL), in masked 16-token chunks; also
         returns the product of the rescales, for the m parts' sums."""
         LV: gl.constexpr = v_layout(D, False)
         tv = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, LV))
@@ -164,12 +183,12 @@ if HAVE_GLUON:
         qt = gl.load(q_rows, mask=(tq < g_rows)[:, None], other=0.0)
         if BF16:  # the same power of two as the pages' q (qk_scale has it)
             qt, fq = to_fp16(qt, tq < g_rows)
-        q_op = b_operand(halves(logical_k_fp16(qt.to(gl.float16), D)), D)
+        q_op = q_operand(logical_k_fp16(qt.to(gl.float16), D), NH)
         alpha_all = gl.full(m_i.shape, 1.0, gl.float32, layout=m_i.type.layout)
         for t0 in range(0, n_tail + 1, CHUNK_C):
             kf, vf, fk, fv = tail_rows(k_new, v_new, res_k, t0, n_tail, tq, cq, tv, cv, KVH, BS, D, BF16)
             k_op = gl.convert_layout(logical_k_fp16(kf, D), A_OP, assert_trivial=True)
-            st = mma_v2(k_op, q_op, gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA)) * (qk_scale * fk)
+            st = mma_v2(k_op, q_op, gl.zeros([CHUNK_C, NH], gl.float32, layout=MMA)) * (qk_scale * fk)
             valid = (t0 + gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, MMA))) <= n_tail
             st = gl.where(valid[:, None], st, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(st, axis=0))
@@ -210,12 +229,14 @@ if HAVE_GLUON:
         RMAX: gl.constexpr = 4,  # FUSED: partials the reduction unrolls over (a power of two >= splits)
         TAIL_FIRST: gl.constexpr = False,  # the last split takes its tail while its first chunk loads
         L1NA: gl.constexpr = False,  # the K and V row loads allocate no L1 line (each byte is read once)
+        NH: gl.constexpr = 8,  # the MMAs' head columns: 8 (G <= 8) or 16 (G <= 16: two n-tiles)
     ):
         LKW: gl.constexpr = words_layout(D // 8, 16)
         LVW: gl.constexpr = v_words_layout(D)
         LCB: gl.constexpr = words_layout(D // 4, 8)
+        LCQ: gl.constexpr = words_layout(D // 4, NH)  # the q' pair words of the NH head rows
         LQ: gl.constexpr = words_layout(D, 16)
-        HL: gl.constexpr = gl.SliceLayout(0, MMA)  # [8] per query head of the group
+        HL: gl.constexpr = gl.SliceLayout(0, MMA)  # [NH] per query head of the group
         b = gl.program_id(0)
         kvh = gl.program_id(1)
         split = gl.program_id(2)
@@ -251,28 +272,34 @@ if HAVE_GLUON:
         qk_q = qk_scale * ((e_q - 13) << 23).to(gl.float32, bitcast=True)  # the pages' scores: 2**-e
         k_unit = qk_q * 281474976710656.0  # 2**48: the nibbles' and the codes' 2**-24
         qp = gl.where((cq % 2 == 1)[None, :], q * 0.0625, q).to(gl.float16)
-        qp_op = b_operand(halves(logical_k_fp16(qp, D)), D)
+        qp_op = q_operand(logical_k_fp16(qp, D), NH)
         # q' as fp16 pairs in the K s codes' words (see scaled_code_pairs); the loop's B operands
         q8 = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(qp.to(gl.float32), [2, 8, D]), [1, 2, 0]), [8, D, 2]),
                                gl.BlockedLayout([1, D // 4, 2], [8, 4, 1], [1, 1, 1], [2, 1, 0]))
-        q8, q8_hi = gl.split(q8)  # heads 0-7 (rows 8-15 are padding)
+        q8, q8_hi = gl.split(q8)  # heads 0-7 and 8-15 (padding at NH 8)
         ql, qh = pair_words(q8)
         # q' pairs, sum(q') and the pages' offsets wait in shared memory, read where they are used:
         # held in registers through the loop (24 of them), they left ptxas too few to issue the next
         # chunk's loads before this chunk's softmax, so those loads had only the values part as cover
         SMEM: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])  # 16-byte units, rows apart: no conflicts
-        q_lo = gl.allocate_shared_memory(gl.uint32, [8, D // 4], SMEM, gl.convert_layout(ql, LCB))
-        q_hi = gl.allocate_shared_memory(gl.uint32, [8, D // 4], SMEM, gl.convert_layout(qh, LCB))
+        q_lo = gl.allocate_shared_memory(gl.uint32, [NH, D // 4], SMEM)
+        q_hi = gl.allocate_shared_memory(gl.uint32, [NH, D // 4], SMEM)
+        q_lo.slice(0, 8).store(gl.convert_layout(ql, LCB))
+        q_hi.slice(0, 8).store(gl.convert_layout(qh, LCB))
+        if NH == 16:
+            ql2, qh2 = pair_words(q8_hi)
+            q_lo.slice(8, 8).store(gl.convert_layout(ql2, LCB))
+            q_hi.slice(8, 8).store(gl.convert_layout(qh2, LCB))
         ones = gl.where((cq % 2 == 1)[None, :], 16.0, 1.0).to(gl.float16) + gl.zeros([CHUNK_C, D], gl.float16, LQ)
         ones_op = gl.convert_layout(logical_k_fp16(ones, D), A_OP, assert_trivial=True)
-        sq = mma_v2(ones_op, qp_op, gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA))  # [16, 8]: sum(q)
+        sq = mma_v2(ones_op, qp_op, gl.zeros([CHUNK_C, NH], gl.float32, layout=MMA))  # [16, NH]: sum(q)
         ROWS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        sq_s = gl.allocate_shared_memory(gl.float32, [CHUNK_C, 8], ROWS, sq)
+        sq_s = gl.allocate_shared_memory(gl.float32, [CHUNK_C, NH], ROWS, sq)
 
-        acc = gl.zeros([D, 8], gl.float32, layout=MMA)  # O^T of the n s part, x F
-        accm, l_i = row_halves(gl.zeros([CHUNK_C, 8], gl.float32, layout=MMA))  # [8 g, 8]: m_step sum p cm
+        acc = gl.zeros([D, NH], gl.float32, layout=MMA)  # O^T of the n s part, x F
+        accm, l_i = row_halves(gl.zeros([CHUNK_C, NH], gl.float32, layout=MMA))  # [8 g, NH]: m_step sum p cm
         mb = gl.zeros_like(l_i)  # m_base sum p (l_i: sum p; every row alike)
-        m_i = gl.full([8], -1.0e30, gl.float32, layout=HL)
+        m_i = gl.full([NH], -1.0e30, gl.float32, layout=HL)
         e_cur = prefix * 0 + 124  # the exponent field whose F is 1 (a tensor: loop-carried)
 
         n_chunks = prefix // BS * (BS // CHUNK_C)
@@ -313,8 +340,9 @@ if HAVE_GLUON:
         page2 = gl.load(bt_row + gl.minimum(lo + 2, last) // CPP)
         if TAIL_FIRST:  # while the first chunk loads: the tail's round trips overlap the pages' first ones
             if split == num_splits - 1:
-                acc_t, m_i, l_t, _ = _tail(gl.zeros([D, 8], gl.float32, layout=MMA), m_i, gl.zeros_like(m_i), q_rows,
-                                           g_rows, k_new, v_new, res_k, prefix % BS, tq, cq, qk_scale, KVH, BS, D, BF16)
+                acc_t, m_i, l_t, _ = _tail(gl.zeros([D, NH], gl.float32, layout=MMA), m_i, gl.zeros_like(m_i), q_rows,
+                                           g_rows, k_new, v_new, res_k, prefix % BS, tq, cq, qk_scale, KVH, BS, D, BF16,
+                                           NH)
                 rows = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
                 acc = acc_t / odd_rows_unit(rows)[:, None]  # into the pages' units (F = 1 at e_cur 124)
                 l_i = l_i + gl.convert_layout(l_t, gl.SliceLayout(0, l_i.type.layout), assert_trivial=True)[None, :]
@@ -327,11 +355,11 @@ if HAVE_GLUON:
         rr = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, LCM))
         cmo = (rec + HEADER) // 4 + D // 4 + gl.arange(0, D // 4, layout=gl.SliceLayout(0, LCM))
         p_last = last // CPP
-        offsets = gl.allocate_shared_memory(gl.float32, [CHUNK_C, 8], ROWS)  # [16 pages, 8 heads]
-        # the same bytes as rows: index() wants a layout a rank below the shape, the [16, 8] store a full one
-        page_rows = _as_rows(offsets, [CHUNK_C, 8])
+        offsets = gl.allocate_shared_memory(gl.float32, [CHUNK_C, NH], ROWS)  # [16 pages, NH heads]
+        # the same bytes as rows: index() wants a layout a rank below the shape, the [16, NH] store a full one
+        page_rows = _as_rows(offsets, [CHUNK_C, NH])
         for p0 in range(lo // CPP, gl.cdiv(hi, CPP), CHUNK_C):
-            q_op = b_operand(logical_k(q_pairs(q_lo.load(LCB), q_hi.load(LCB)), D), D)
+            q_op = b_operand(logical_k(q_pairs(q_lo.load(LCQ), q_hi.load(LCQ)), D), D)
             offsets.store(_page_offsets(pool_ptr, bt_row, p0, p_last, rr, cmo, rec, q_op, sq_s.load(MMA), qk_q,
                                         page_stride, layer_off, D))
             for c in range(gl.maximum(lo, p0 * CPP), gl.minimum(hi, (p0 + CHUNK_C) * CPP)):
@@ -340,7 +368,7 @@ if HAVE_GLUON:
                 page3 = gl.load(bt_row + gl.minimum(c + 3, last) // CPP)
                 pb = page_base(pool_ptr, page1, page_stride, layer_off)
                 offset = page_rows.index(c // CPP - p0).load(HL)[None, :]  # the page's row, for all 16 tokens
-                st = _scores(q_lo.load(LCB), q_hi.load(LCB), kw, cs, hk, offset, k_unit, D)
+                st = _scores(q_lo.load(LCQ), q_hi.load(LCQ), kw, cs, hk, offset, k_unit, D)
                 kw, cs, hk = load_keys(pb, gl.minimum(c + 1, last), ko, co, rec, BS, D, load_hint(0, L1NA))
                 acc, accm, mb, m_i, l_i, e_cur = _softmax_values(acc, accm, mb, m_i, l_i, e_cur, st, vw, vc, sel_s,
                                                                  sel_m, hv, D)
@@ -356,14 +384,14 @@ if HAVE_GLUON:
         if not TAIL_FIRST:  # the last split: residual tail (prefix % BS tokens, full precision) and the new token
             if split == num_splits - 1:
                 acc, m_i, l_i, alpha = _tail(acc, m_i, l_i, q_rows, g_rows, k_new, v_new, res_k, prefix % BS, tq, cq,
-                                             qk_scale, KVH, BS, D, BF16)
+                                             qk_scale, KVH, BS, D, BF16, NH)
                 accm = accm * alpha[None, :]
                 mb = mb * alpha
 
         # 3. add the m parts, normalize, store (in memory channel order)
-        acc3 = gl.reshape(acc, [D // CHUNK_C, CHUNK_C, 8])  # [m-tile, row in tile, head]
+        acc3 = gl.reshape(acc, [D // CHUNK_C, CHUNK_C, NH])  # [m-tile, row in tile, head]
         accm3 = gl.convert_layout(accm, gl.SliceLayout(0, acc3.type.layout), assert_trivial=True)
-        acc = gl.convert_layout(gl.reshape(acc3 + gl.expand_dims(accm3, 0), [D, 8]), MMA, assert_trivial=True)
+        acc = gl.convert_layout(gl.reshape(acc3 + gl.expand_dims(accm3, 0), [D, NH]), MMA, assert_trivial=True)
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
         o = (acc + mb[None, :]) * (1.0 / l_safe)[None, :]
         store_output(o, l_i, m_i, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, b, kvh, split, stride_ob,
@@ -379,10 +407,12 @@ def decode_int4_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: t
     K/V) over int4 pages; `supports` must hold and the caller has checked the arguments. `splits`
     overrides the split count, `fused` whether the last split reduces (None: up to
     FUSED_MAX_SPLITS), `maxnreg` the register cap (-1: REGISTER_CAP_D64 at head_dim 64, at 128
-    REGISTER_OPTIONS, the cheaper for the shape; None: none), `tail_first` whether the last split
-    takes its tail before its pages, `l1_no_allocate` whether its row loads skip L1."""
-    if maxnreg == -1:  # head_dim 256 spills under any cap
-        maxnreg = {64: REGISTER_CAP_D64, 128: REGISTER_OPTIONS}.get(q.shape[2])
+    REGISTER_OPTIONS, the cheaper for the shape, none at 16 head columns or head_dim 256; None:
+    none), `tail_first` whether the last split takes its tail before its pages, `l1_no_allocate`
+    whether its row loads skip L1. G 9-16 run two MMA n-tiles (see ROUTED_GROUP)."""
+    nh = head_columns(q.shape[1] // cache.layout.kv_heads)
+    if maxnreg == -1:  # head_dim 256 and 16 head columns spill under any cap that keeps more programs
+        maxnreg = {64: REGISTER_CAP_D64, 128: REGISTER_OPTIONS}.get(q.shape[2]) if nh == 8 else None
     return launch_direct(decode_int4_direct_kernel, "int4-direct", cache, layer, q, k, v, meta, scale,
                          splits=splits, fused=fused, maxnreg=maxnreg,
-                         L2PF=l2_prefetch, TAIL_FIRST=tail_first, L1NA=l1_no_allocate)
+                         L2PF=l2_prefetch, TAIL_FIRST=tail_first, L1NA=l1_no_allocate, NH=nh)

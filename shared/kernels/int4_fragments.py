@@ -226,8 +226,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def row_halves(x):
-        """[16, 8] (MMA layout) -> rows 0-7 and rows 8-15 as [8, 8] each (registers renamed only)."""
-        return gl.split(gl.permute(gl.reshape(x, [2, 8, 8]), [1, 2, 0]))
+        """[16, N] (MMA layout) -> rows 0-7 and rows 8-15 as [8, N] each (registers renamed only)."""
+        return gl.split(gl.permute(gl.reshape(x, [2, 8, x.shape[1]]), [1, 2, 0]))
 
     @gluon.jit
     def rows_joined(lo, hi):

@@ -128,7 +128,8 @@ SPILL_BUDGET = {("int8", 128, 4): 8}
 # (kernel, head_dim, G, register cap) as the engine launches them: Llama-3-8B's heads, SmolLM2's, and
 # 16 query heads a KV head (two MMA n-tiles; no cap)
 CASES = [(k, 128, 4, 168 if k == "int4" else 128) for k in ("int4", "fp8_e4m3", "fp8_e5m2", "int8")] + [
-    ("int4", 64, 3, 128), ("int8", 64, 3, 128), ("fp8_e4m3", 128, 16, None), ("int8", 128, 16, None)]
+    ("int4", 64, 3, 128), ("int8", 64, 3, 128), ("fp8_e4m3", 128, 16, None), ("int8", 128, 16, None),
+    ("int4", 128, 16, None)]
 
 
 def build_report(cases=CASES) -> list[dict]:
