@@ -22,16 +22,19 @@ shuffles); fp32 accumulators, added to the output at the end.
 
 Loads: the next chunk's keys are issued once this chunk's scores are done and its values once its
 values are, into the registers just freed (a whole chunk ahead they need a second set, and ptxas
-copies every word once a chunk), a thread's K (and V) words as one pack of vector loads at
-immediate offsets from one address, allocating no L1 line (each byte is read once); L2 is asked for
-the chunk after that (one prefetch a lane), so those loads find it there. What stays the same through the loop and is read once a chunk (the q'
-pairs, sum(q'), the 16 pages' offsets) waits in shared memory, not in registers: 140 registers
-instead of 166, so ptxas has the room to issue the next chunk's loads before the softmax (under
-register pressure it sank them below it, and the keys then had only the values part as cover).
+copies every word once a chunk), a thread's K (and V) words as one pack of vector loads at immediate
+offsets from one address, allocating no L1 line (each byte is read once); L2 is asked for the chunk
+after that (one prefetch a lane), so those loads find it there. What stays the same through the loop
+and is read once a chunk (the q' pairs, sum(q'), the 16 pages' offsets) waits in shared memory, not
+in registers: 140 registers instead of 166, so ptxas has the room to issue the next chunk's loads
+before the softmax (under register pressure it sank them below it, and the keys then had only the
+values part as cover).
 
 Fragments, layouts and the PTX: `int4_fragments.py`. Splits, the fused split reduction, the
 residual tail (full precision, one masked chunk) and the new token as in `decode_direct.py`. SASS,
 timings and every variant measured: docs/decode_direct.md, "INT4" (2.45-2.58x SDPA on the H200).
+G 9-16 query heads a KV head take two MMA n-tiles (NH 16: q^T [D, 16], S^T [16, 16], O^T [D, 16]; the
+q' pairs of heads 8-15 in the shared buffers' second half); see ROUTED_GROUP.
 """
 from __future__ import annotations
 
@@ -162,7 +165,7 @@ if HAVE_GLUON:
         return acc, accm, mb, m_new, l_i, e_new
 
     @gluon.jit
-    def q_operand(x, NH: gl.constexpr):
+    def _q_operand(x, NH: gl.constexpr):
         """fp16 [16 heads, D] in logical channel order -> the B operand q^T [D, NH]: rows 8-15 dropped
         at NH 8 (padding), both n-tiles at 16."""
         if NH == 8:
@@ -183,7 +186,7 @@ if HAVE_GLUON:
         qt = gl.load(q_rows, mask=(tq < g_rows)[:, None], other=0.0)
         if BF16:  # the same power of two as the pages' q (qk_scale has it)
             qt, fq = to_fp16(qt, tq < g_rows)
-        q_op = q_operand(logical_k_fp16(qt.to(gl.float16), D), NH)
+        q_op = _q_operand(logical_k_fp16(qt.to(gl.float16), D), NH)
         alpha_all = gl.full(m_i.shape, 1.0, gl.float32, layout=m_i.type.layout)
         for t0 in range(0, n_tail + 1, CHUNK_C):
             kf, vf, fk, fv = tail_rows(k_new, v_new, res_k, t0, n_tail, tq, cq, tv, cv, KVH, BS, D, BF16)
@@ -272,7 +275,7 @@ if HAVE_GLUON:
         qk_q = qk_scale * ((e_q - 13) << 23).to(gl.float32, bitcast=True)  # the pages' scores: 2**-e
         k_unit = qk_q * 281474976710656.0  # 2**48: the nibbles' and the codes' 2**-24
         qp = gl.where((cq % 2 == 1)[None, :], q * 0.0625, q).to(gl.float16)
-        qp_op = q_operand(logical_k_fp16(qp, D), NH)
+        qp_op = _q_operand(logical_k_fp16(qp, D), NH)
         # q' as fp16 pairs in the K s codes' words (see scaled_code_pairs); the loop's B operands
         q8 = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(qp.to(gl.float32), [2, 8, D]), [1, 2, 0]), [8, D, 2]),
                                gl.BlockedLayout([1, D // 4, 2], [8, 4, 1], [1, 1, 1], [2, 1, 0]))
