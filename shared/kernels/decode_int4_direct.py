@@ -30,11 +30,12 @@ in registers: 140 registers instead of 166, so ptxas has the room to issue the n
 before the softmax (under register pressure it sank them below it, and the keys then had only the
 values part as cover).
 
-Fragments, layouts and the PTX: `int4_fragments.py`. Splits, the fused split reduction, the
-residual tail (full precision, one masked chunk) and the new token as in `decode_direct.py`. SASS,
-timings and every variant measured: docs/decode_direct.md, "INT4" (2.45-2.58x SDPA on the H200).
-G 9-16 query heads a KV head take two MMA n-tiles (NH 16: q^T [D, 16], S^T [16, 16], O^T [D, 16]; the
-q' pairs of heads 8-15 in the shared buffers' second half); see ROUTED_GROUP.
+The steps over a chunk: `int4_chunk.py`; fragments, layouts and the PTX: `int4_fragments.py`.
+Splits, the fused split reduction, the residual tail (full precision, one masked chunk) and the new
+token as in `decode_direct.py`. SASS, timings and every variant measured: docs/decode_direct.md,
+"INT4" (2.45-2.58x SDPA on the H200). G 9-16 query heads a KV head take two MMA n-tiles (NH 16: q^T
+[D, 16], S^T [16, 16], O^T [D, 16]; the q' pairs of heads 8-15 in the shared buffers' second half);
+see ROUTED_GROUP.
 """
 from __future__ import annotations
 
@@ -52,15 +53,14 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from kvmesh.kernels.int4_fragments import (b_operand, code_pairs, k_nibbles, logical_k,
-                                               logical_k_fp16, m_codes_operand, odd_rows_unit,
-                                               pair_words, q_pairs, row_halves, rows_joined,
-                                               scaled_code_pairs, v_code_pairs, v_codes_layout, v_nibbles,
-                                               v_words_layout, words_layout)
-    from kvmesh.kernels.int4_page_loads import header_scalars, load_keys, load_values
+    from kvmesh.kernels.int4_chunk import (chunk_scores, page_offsets, q_operand, residual_tail,
+                                           softmax_values)
+    from kvmesh.kernels.int4_fragments import (b_operand, logical_k, logical_k_fp16, odd_rows_unit, pair_words,
+                                               q_pairs, row_halves, rows_joined, v_codes_layout, v_words_layout,
+                                               words_layout)
+    from kvmesh.kernels.int4_page_loads import load_keys, load_values
+    from kvmesh.kernels.mma_fragments import A_OP, CHUNK_C, MMA, load_hint, to_fp16
     from kvmesh.kernels.split_partials import chunk_lines, page_base, prefetch_l2, store_output
-    from kvmesh.kernels.mma_fragments import (A_OP, B_OP, CHUNK_C, MMA, halves, load_hint, tail_rows, to_fp16,
-                                              v_layout, v_operand)
 
 MAXNREG = 168  # a ceiling: at head_dim 128 the kernel takes 140 (still 12 one-warp programs per SM:
 # registers go by SM quarter, `splits.resident_programs`)
@@ -98,111 +98,6 @@ if HAVE_GLUON:
 
     # a shared buffer's bytes as rows of a rank-1 layout; the method lost its underscore in Triton 3.9
     _as_rows = _as_rows_39 if hasattr(gl.shared_memory_descriptor, "reinterpret") else _as_rows_36
-
-    @gluon.jit
-    def _rescale(acc, accm, mb, l_i, alpha, e_cur, e_new):
-        """The state in units of a new max (alpha = 2**(old max - new)) and a new F (from exponent
-        field e_cur to e_new: a power of two, no division)."""
-        acc = acc * (alpha * ((e_cur - e_new + 127) << 23).to(gl.float32, bitcast=True))[None, :]
-        alpha8 = gl.convert_layout(alpha, gl.SliceLayout(0, l_i.type.layout), assert_trivial=True)[None, :]
-        return acc, accm * alpha8, mb * alpha8, l_i * alpha8
-
-    @gluon.jit
-    def _values(acc, accm, mb, l_i, st, m_i, e_cur, vw, vc, sel_s, sel_m, v_ss, v_ms, v_mb, D: gl.constexpr):
-        """p = 2**(st - m_i) and the chunk's values into the state: V^T P^T into acc (units of F, from
-        exponent field e_cur), the m codes' MMA into accm and, through its ones, sum p into l_i and
-        m_base sum p into mb."""
-        pt = gl.convert_layout(gl.exp2(st - m_i[None, :]).to(gl.float16), B_OP)
-        vsf = v_ss * ((251 - e_cur) << 23).to(gl.float32, bitcast=True) + gl.zeros_like(sel_s).to(gl.float32)
-        s2, m2 = v_code_pairs(vc, sel_s, sel_m, vsf)  # [8 tp, 8 g]: true scale x F; the m codes
-        acc = mma_v2(v_nibbles(vw, s2, D), pt, acc)
-        mm, sp = row_halves(mma_v2(m_codes_operand(m2), pt, gl.zeros([CHUNK_C, pt.shape[1]], gl.float32, layout=MMA)))
-        return acc, accm + mm * v_ms, mb + sp * v_mb, l_i + sp
-
-    @gluon.jit
-    def _page_offsets(pool_ptr, bt_row, p0, p_last, rr, cmo, rec, q_op, sq, qk_q, page_stride, layer_off,
-                      D: gl.constexpr):
-        """q . m of 16 pages at once, m = cm m_step + m_base per channel (a page's score offset, the
-        same for its every token), in log2 units: [16 pages, NH heads] (MMA layout), page p0 + r in row r
-        (pages past p_last read p_last). One MMA over the 16 pages' m codes against q, where a chunk
-        at a time took an MMA whose 16 rows were all alike."""
-        pages = gl.load(bt_row + gl.minimum(p0 + rr, p_last))  # [16]
-        pb = page_base(pool_ptr, pages, page_stride, layer_off)
-        cm = gl.load(pb.to(gl.pointer_type(gl.uint32), bitcast=True)[:, None] + cmo[None, :])  # [16, D/4]
-        hk = gl.load(pb.to(gl.pointer_type(gl.uint64), bitcast=True) + rec // 8)
-        k_mb, k_ms, _ = header_scalars(gl.convert_layout(hk, gl.SliceLayout(1, MMA), assert_trivial=True))
-        cm_op = gl.convert_layout(logical_k(code_pairs(cm), D), A_OP, assert_trivial=True)
-        qm = mma_v2(cm_op, q_op, gl.zeros([CHUNK_C, q_op.shape[1]], gl.float32, layout=MMA))  # sum q' (4 + cm / 256)
-        return (qm * (qk_q * 256.0 * k_ms)[:, None]
-                + sq * (qk_q * (k_mb - 1024.0 * k_ms))[:, None])
-
-    @gluon.jit
-    def _scores(ql, qh, kw, cs, hk, offset, k_unit, D: gl.constexpr):
-        """S^T [16 tokens, NH heads] of a chunk of full pages, in log2 units; offset [1, NH]: the page's
-        q . m (`_page_offsets`), every row alike; k_unit: the nibble and code units and the softmax
-        scale, over q's power of two."""
-        _, _, k_ss = header_scalars(hk)  # m_base, m_step: the page's offset (_page_offsets)
-        if ql.shape[0] != cs.shape[0]:  # 16 head rows: the page's codes serve both n-tiles
-            cs = gl.convert_layout(rows_joined(cs, cs), ql.type.layout, assert_trivial=True)
-        # keys: q' * cs 2**-24 (a byte permute and a multiply a pair), nibbles n 2**-24: subnormals
-        qs_op = b_operand(logical_k(scaled_code_pairs(cs, ql, qh), D), D)
-        st = mma_v2(k_nibbles(kw, D), qs_op, gl.zeros([CHUNK_C, qs_op.shape[1]], gl.float32, layout=MMA))
-        return st * (k_unit * k_ss) + offset
-
-    @gluon.jit
-    def _softmax_values(acc, accm, mb, m_i, l_i, e_cur, st, vw, vc, sel_s, sel_m, hv, D: gl.constexpr):
-        """The online softmax of a chunk's scores st and its values into the state: acc in units of
-        the page's F (e_cur: the exponent field of the s_step F was taken from), the V m part into
-        accm / mb ([8 g, NH heads]; mb and l_i: every row alike). Returns the updated state."""
-        v_mb, v_ms, v_ss = header_scalars(hv)
-        # values: F = 2**(-3 - exponent of s_step) keeps the scale pairs below 64 (1024 s fits fp16);
-        # F's are powers of two, so their ratio is a difference of exponent fields (no division)
-        e_new = (v_ss.to(gl.int32, bitcast=True) >> 23) & 0xFF
-        m_new = gl.maximum(m_i, gl.max(st, axis=0))
-        acc, accm, mb, l_i = _rescale(acc, accm, mb, l_i, gl.exp2(m_i - m_new), e_cur, e_new)
-        acc, accm, mb, l_i = _values(acc, accm, mb, l_i, st, m_new, e_new, vw, vc, sel_s, sel_m, v_ss, v_ms, v_mb,
-                                     D)
-        return acc, accm, mb, m_new, l_i, e_new
-
-    @gluon.jit
-    def _q_operand(x, NH: gl.constexpr):
-        """fp16 [16 heads, D] in logical channel order -> the B operand q^T [D, NH]: rows 8-15 dropped
-        at NH 8 (padding), both n-tiles at 16."""
-        if NH == 8:
-            op = gl.convert_layout(gl.permute(halves(x), [1, 0]), B_OP, assert_trivial=True)
-        else:
-            op = gl.convert_layout(gl.permute(x, [1, 0]), B_OP)
-        return op
-
-    @gluon.jit
-    def _tail(acc, m_i, l_i, q_rows, g_rows, k_new, v_new, res_k, n_tail, tq, cq, qk_scale, KVH: gl.constexpr,
-              BS: gl.constexpr, D: gl.constexpr, BF16: gl.constexpr, NH: gl.constexpr):
-        """The residual tail (n_tail tokens at res_k, full precision) and the new token (k_new / v_new
-        [D]) into acc [D, NH] (plain units), m_i and l_i ([NH], HL), in masked 16-token chunks; also
-        returns the product of the rescales, for the m parts' sums."""
-        LV: gl.constexpr = v_layout(D, False)
-        tv = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, LV))
-        cv = gl.arange(0, D, layout=gl.SliceLayout(0, LV))
-        qt = gl.load(q_rows, mask=(tq < g_rows)[:, None], other=0.0)
-        if BF16:  # the same power of two as the pages' q (qk_scale has it)
-            qt, fq = to_fp16(qt, tq < g_rows)
-        q_op = _q_operand(logical_k_fp16(qt.to(gl.float16), D), NH)
-        alpha_all = gl.full(m_i.shape, 1.0, gl.float32, layout=m_i.type.layout)
-        for t0 in range(0, n_tail + 1, CHUNK_C):
-            kf, vf, fk, fv = tail_rows(k_new, v_new, res_k, t0, n_tail, tq, cq, tv, cv, KVH, BS, D, BF16)
-            k_op = gl.convert_layout(logical_k_fp16(kf, D), A_OP, assert_trivial=True)
-            st = mma_v2(k_op, q_op, gl.zeros([CHUNK_C, NH], gl.float32, layout=MMA)) * (qk_scale * fk)
-            valid = (t0 + gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, MMA))) <= n_tail
-            st = gl.where(valid[:, None], st, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(st, axis=0))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(st - m_new[None, :])
-            l_i = l_i * alpha + gl.sum(p, axis=0)
-            pt = gl.convert_layout((p * fv).to(gl.float16), B_OP)
-            acc = mma_v2(v_operand(vf, D), pt, acc * alpha[None, :])
-            alpha_all = alpha_all * alpha
-            m_i = m_new
-        return acc, m_i, l_i, alpha_all
 
     @gluon.jit(do_not_specialize=["num_splits"])
     def decode_int4_direct_kernel(
@@ -275,7 +170,7 @@ if HAVE_GLUON:
         qk_q = qk_scale * ((e_q - 13) << 23).to(gl.float32, bitcast=True)  # the pages' scores: 2**-e
         k_unit = qk_q * 281474976710656.0  # 2**48: the nibbles' and the codes' 2**-24
         qp = gl.where((cq % 2 == 1)[None, :], q * 0.0625, q).to(gl.float16)
-        qp_op = _q_operand(logical_k_fp16(qp, D), NH)
+        qp_op = q_operand(logical_k_fp16(qp, D), NH)
         # q' as fp16 pairs in the K s codes' words (see scaled_code_pairs); the loop's B operands
         q8 = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(qp.to(gl.float32), [2, 8, D]), [1, 2, 0]), [8, D, 2]),
                                gl.BlockedLayout([1, D // 4, 2], [8, 4, 1], [1, 1, 1], [2, 1, 0]))
@@ -343,7 +238,7 @@ if HAVE_GLUON:
         page2 = gl.load(bt_row + gl.minimum(lo + 2, last) // CPP)
         if TAIL_FIRST:  # while the first chunk loads: the tail's round trips overlap the pages' first ones
             if split == num_splits - 1:
-                acc_t, m_i, l_t, _ = _tail(gl.zeros([D, NH], gl.float32, layout=MMA), m_i, gl.zeros_like(m_i), q_rows,
+                acc_t, m_i, l_t, _ = residual_tail(gl.zeros([D, NH], gl.float32, layout=MMA), m_i, gl.zeros_like(m_i), q_rows,
                                            g_rows, k_new, v_new, res_k, prefix % BS, tq, cq, qk_scale, KVH, BS, D, BF16,
                                            NH)
                 rows = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
@@ -363,7 +258,7 @@ if HAVE_GLUON:
         page_rows = _as_rows(offsets, [CHUNK_C, NH])
         for p0 in range(lo // CPP, gl.cdiv(hi, CPP), CHUNK_C):
             q_op = b_operand(logical_k(q_pairs(q_lo.load(LCQ), q_hi.load(LCQ)), D), D)
-            offsets.store(_page_offsets(pool_ptr, bt_row, p0, p_last, rr, cmo, rec, q_op, sq_s.load(MMA), qk_q,
+            offsets.store(page_offsets(pool_ptr, bt_row, p0, p_last, rr, cmo, rec, q_op, sq_s.load(MMA), qk_q,
                                         page_stride, layer_off, D))
             for c in range(gl.maximum(lo, p0 * CPP), gl.minimum(hi, (p0 + CHUNK_C) * CPP)):
                 if L2PF:
@@ -371,9 +266,9 @@ if HAVE_GLUON:
                 page3 = gl.load(bt_row + gl.minimum(c + 3, last) // CPP)
                 pb = page_base(pool_ptr, page1, page_stride, layer_off)
                 offset = page_rows.index(c // CPP - p0).load(HL)[None, :]  # the page's row, for all 16 tokens
-                st = _scores(q_lo.load(LCQ), q_hi.load(LCQ), kw, cs, hk, offset, k_unit, D)
+                st = chunk_scores(q_lo.load(LCQ), q_hi.load(LCQ), kw, cs, hk, offset, k_unit, D)
                 kw, cs, hk = load_keys(pb, gl.minimum(c + 1, last), ko, co, rec, BS, D, load_hint(0, L1NA))
-                acc, accm, mb, m_i, l_i, e_cur = _softmax_values(acc, accm, mb, m_i, l_i, e_cur, st, vw, vc, sel_s,
+                acc, accm, mb, m_i, l_i, e_cur = softmax_values(acc, accm, mb, m_i, l_i, e_cur, st, vw, vc, sel_s,
                                                                  sel_m, hv, D)
                 vw, vc, hv = load_values(pb, gl.minimum(c + 1, last), vo, so, rec, BS, D, load_hint(0, L1NA))
                 page1 = page2
@@ -386,7 +281,7 @@ if HAVE_GLUON:
 
         if not TAIL_FIRST:  # the last split: residual tail (prefix % BS tokens, full precision) and the new token
             if split == num_splits - 1:
-                acc, m_i, l_i, alpha = _tail(acc, m_i, l_i, q_rows, g_rows, k_new, v_new, res_k, prefix % BS, tq, cq,
+                acc, m_i, l_i, alpha = residual_tail(acc, m_i, l_i, q_rows, g_rows, k_new, v_new, res_k, prefix % BS, tq, cq,
                                              qk_scale, KVH, BS, D, BF16, NH)
                 accm = accm * alpha[None, :]
                 mb = mb * alpha
