@@ -155,6 +155,23 @@ async def _disagg(stack: Stack, prompt: list[int], params: SamplingParams, decod
     return tokens, text, reply, chunks
 
 
+async def test_disaggregated_text_keeps_an_unfinished_last_character(stack: Stack):
+    """Greedy output that stops inside a multi-byte character ends with U+FFFD on both paths, as a
+    whole-sequence decode gives it: the decode worker, which exports its blocks for the next turn,
+    still flushes the held-back bytes at the end, and so does a prefill that is the whole request
+    (max_tokens 1); only a prefill hop that hands the sequence on holds them back. This prompt's
+    output (SmolLM2, fp32 and fp8 KV alike) starts ' ע' and stops after a lone lead byte."""
+    rng = random.Random(155)
+    prompt = [rng.randrange(100, 49000) for _ in range(2 * BS + 5)]
+    for max_tokens in (10, 1):
+        params = _greedy(max_tokens)
+        ref = (await asyncio.to_thread(stack.reference.generate, [prompt], params))[0].outputs[0]
+        assert ref.text.endswith("\ufffd"), ref.text  # the case this test is about
+        tokens, text, _, _ = await _disagg(stack, prompt, params)
+        assert tokens == ref.token_ids
+        assert text == ref.text
+
+
 async def test_disaggregated_output_equals_single_process(stack: Stack):
     prompt = _prompt(2 * BS + 5)
     params = _greedy(10)

@@ -35,7 +35,7 @@ def finish(eng: LLMEngine) -> dict:
 
 def prefill(eng: LLMEngine, prompt: list[int], logprobs=None):
     eng.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=1, logprobs=logprobs),
-                    export_kv=True)
+                    export_kv=True, hand_off=True)
     return finish(eng)["p"]
 
 
@@ -111,7 +111,7 @@ def test_seeded_sample_through_a_prefill_hop_equals_one_engine(model_dir):
 
     a = make(model_dir, "auto")
     a.add_request("p", prompt, SamplingParams(temperature=1.0, top_k=50, seed=1234, max_tokens=1,
-                                              ignore_eos=True), export_kv=True)
+                                              ignore_eos=True), export_kv=True, hand_off=True)
     pre = finish(a)["p"]
     first, exp = pre.outputs[0].token_ids, pre.kv_export
     assert first == ref[:1]

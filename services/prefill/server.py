@@ -76,8 +76,10 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             first_params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
             final = None
             try:
+                # a hand-off unless the caller asked for one token: the decode worker goes on
                 async with contextlib.aclosing(self.engine.generate(
-                        rid, prompt, first_params, cache_salt=request.cache_salt, export_kv=True)) as stream:
+                        rid, prompt, first_params, cache_salt=request.cache_salt, export_kv=True,
+                        hand_off=params.max_tokens != 1)) as stream:
                     async for out in stream:
                         final = out
             except ValueError as e:  # bad prompt (empty, too long for --max-model-len, ...)

@@ -104,7 +104,7 @@ class AsyncEngine:
 
     # ---- public ----
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       cache_salt: str = "", export_kv: bool = False,
+                       cache_salt: str = "", export_kv: bool = False, hand_off: bool = False,
                        resume: Optional[ResumeState] = None) -> AsyncIterator[RequestOutput]:
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already running")
@@ -114,7 +114,7 @@ class AsyncEngine:
         try:
             await self._call(lambda: self.engine.add_request(
                 request_id, prompt_token_ids, params, cache_salt=cache_salt, export_kv=export_kv,
-                resume=resume))
+                hand_off=hand_off, resume=resume))
             added = True
             while not finished:
                 item = await q.get()

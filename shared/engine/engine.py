@@ -61,7 +61,7 @@ class LLMEngine:
 
     # ---- requests ----
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    cache_salt: str = "", export_kv: bool = False,
+                    cache_salt: str = "", export_kv: bool = False, hand_off: bool = False,
                     resume: Optional[ResumeState] = None) -> None:
         params.validate()
         if request_id in self._requests:
@@ -98,7 +98,7 @@ class LLMEngine:
                                  f"size {bs}, got {resume.tail_tokens}")
         ctx = self.hash_context(cache_salt)
         req = Request(request_id, prompt, params, max_tokens, bs, ctx.seed(), cache_salt=cache_salt,
-                      export_kv=export_kv, resume=resume)
+                      export_kv=export_kv, hand_off=hand_off, resume=resume)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
         seq = self._new_seq(req, 0)
@@ -298,9 +298,10 @@ class LLMEngine:
             elif n_out >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = "length"
         if reason is not None:
-            # Emit bytes held back as an incomplete character, unless another engine may resume
-            # this sequence (a prefill hop): there the next token completes the character.
-            if not isinstance(stop_reason, str) and not seq.request.export_kv:
+            # Emit bytes held back as an incomplete character, unless the run only hands the
+            # sequence on (a prefill hop at its one token): the next engine's tokens complete it.
+            handing_on = seq.request.hand_off and reason == "length"
+            if not isinstance(stop_reason, str) and not handing_on:
                 seq.detok.flush()
             seq.finish_reason, seq.stop_reason = reason, stop_reason
             self._finish(seq)

@@ -109,6 +109,9 @@ class Request:
     """Seed of the block hash chain (model, KV dtype, block size, cache salt)."""
     cache_salt: str = ""
     export_kv: bool = False
+    hand_off: bool = False
+    """The run stops at max_tokens only to hand the sequence on (a prefill hop): another engine resumes
+    it, so bytes of an incomplete last character stay held back."""
     resume: Optional[ResumeState] = None
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False
