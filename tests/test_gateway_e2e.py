@@ -233,7 +233,7 @@ async def test_completion_stream_and_n(stack):
 
 async def test_chat_stream_n2(stack):
     msgs = [{"role": "user", "content": "Pick a random animal."}]
-    # greedy: a seeded sample is not yet path independent (prefill hop vs do_prefill), see docs/gateway.md
+    # greedy here; seeded samples are path independent too (test_disagg_serving, docs/gateway.md)
     kw = dict(model="smollm2", messages=msgs, max_tokens=6, temperature=0.0, n=2)
     r = await stack["client"].chat.completions.create(**kw)
     stream = await stack["client"].chat.completions.create(**kw, stream=True)
