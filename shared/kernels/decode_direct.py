@@ -48,8 +48,8 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from kvmesh.kernels.mma_fragments import (A_OP, B_OP, CHUNK_C, MMA, codes_fp16, halves, k_layout, load_words,
-                                              k_logical, k_operand, tail_rows, to_fp16, v_layout,
+    from kvmesh.kernels.mma_fragments import (A_OP, B_OP, CHUNK_C, MMA, codes_fp16, k_layout, load_words,
+                                              k_logical, k_operand, q_operand, tail_rows, to_fp16, v_layout,
                                               v_operand)
     from kvmesh.kernels.split_partials import store_output
 FORMATS = (FMT_E4M3, FMT_E5M2, FMT_INT8)
@@ -148,11 +148,11 @@ if HAVE_GLUON:
         if CPP > 1:  # the chunk's rows inside the page
             r = (chunk % CPP) * CHUNK_C
             r0 = r0 + r
-            kb = load_words(p32 + (ko + r * (D // 4)), D, False, KSEC, L2PF, (L1NA & 1) != 0)
-            vb = load_words(p32 + (vo + r * (D // 4)), D, True, KSEC, L2PF, (L1NA & 2) != 0)
+            kb = load_words(p32 + (ko + r * (D // 4)), D, False, KSEC, L2PF, L1NA % 2 == 1)
+            vb = load_words(p32 + (vo + r * (D // 4)), D, True, KSEC, L2PF, L1NA >= 2)
         else:
-            kb = load_words(p32 + ko, D, False, KSEC, L2PF, (L1NA & 1) != 0)
-            vb = load_words(p32 + vo, D, True, KSEC, L2PF, (L1NA & 2) != 0)
+            kb = load_words(p32 + ko, D, False, KSEC, L2PF, L1NA % 2 == 1)  # L1NA: 1 K, 2 V, 3 both
+            vb = load_words(p32 + vo, D, True, KSEC, L2PF, L1NA >= 2)
         if FMT == 5:  # per token, along the rows of S^T
             ps = pb.to(gl.pointer_type(gl.float16), bitcast=True)
             t = r0 + gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, MMA))
@@ -230,11 +230,7 @@ if HAVE_GLUON:
         if BF16:  # a bf16 model: q in fp16 times a power of two (exact), which joins the softmax scale
             q, fq = to_fp16(q, tk < g_rows)
             qk_scale = qk_scale * fq
-        if NH == 8:  # rows 8-15 are padding: the row + 8 bit drops out
-            q_op = gl.convert_layout(gl.permute(halves(k_logical(q, D, KSEC)), [1, 0]), B_OP,
-                                     assert_trivial=True)  # q^T [D, 8]
-        else:
-            q_op = gl.convert_layout(gl.permute(k_logical(q, D, KSEC), [1, 0]), B_OP)  # q^T [D, 16]
+        q_op = q_operand(k_logical(q, D, KSEC), NH)  # q^T [D, NH]
         OFFSET: gl.constexpr = FMT == 5  # int8 key codes decoded as code + 1152 (see codes_fp16)
         kcorr = 0.0
         if OFFSET:  # 1152 x sum of each head's q, through the same MMA as the scores: [16, NH]

@@ -53,13 +53,12 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from kvmesh.kernels.int4_chunk import (chunk_scores, page_offsets, q_operand, residual_tail,
-                                           softmax_values)
+    from kvmesh.kernels.int4_chunk import chunk_scores, page_offsets, residual_tail, softmax_values
     from kvmesh.kernels.int4_fragments import (b_operand, logical_k, logical_k_fp16, odd_rows_unit, pair_words,
                                                q_pairs, row_halves, rows_joined, v_codes_layout, v_words_layout,
                                                words_layout)
     from kvmesh.kernels.int4_page_loads import load_keys, load_values
-    from kvmesh.kernels.mma_fragments import A_OP, CHUNK_C, MMA, load_hint, to_fp16
+    from kvmesh.kernels.mma_fragments import A_OP, CHUNK_C, MMA, load_hint, q_operand, to_fp16
     from kvmesh.kernels.split_partials import chunk_lines, page_base, prefetch_l2, store_output
 
 MAXNREG = 168  # a ceiling: at head_dim 128 the kernel takes 140 (still 12 one-warp programs per SM:

@@ -1,6 +1,6 @@
 """The steps of the register-direct INT4 decode kernel (`decode_int4_direct.py`) over its chunks, in
 Gluon (GPU only): the score offsets of 16 pages at a time, a chunk's scores, its online softmax and
-values, the state's rescale, the residual tail, and q as the MMAs' B operand. The math and the units
+values, the state's rescale and the residual tail. The math and the units
 are the kernel's module docstring's; fragments and PTX: `int4_fragments.py`."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ if HAVE_GLUON:
                                                m_codes_operand, row_halves, rows_joined, scaled_code_pairs,
                                                v_code_pairs, v_nibbles)
     from kvmesh.kernels.int4_page_loads import header_scalars
-    from kvmesh.kernels.mma_fragments import (A_OP, B_OP, CHUNK_C, MMA, halves, tail_rows, to_fp16, v_layout,
+    from kvmesh.kernels.mma_fragments import (A_OP, B_OP, CHUNK_C, MMA, q_operand, tail_rows, to_fp16, v_layout,
                                               v_operand)
     from kvmesh.kernels.split_partials import page_base
 
@@ -85,18 +85,8 @@ if HAVE_GLUON:
         return acc, accm, mb, m_new, l_i, e_new
 
     @gluon.jit
-    def q_operand(x, NH: gl.constexpr):
-        """fp16 [16 heads, D] in logical channel order -> the B operand q^T [D, NH]: rows 8-15 dropped
-        at NH 8 (padding), both n-tiles at 16."""
-        if NH == 8:
-            op = gl.convert_layout(gl.permute(halves(x), [1, 0]), B_OP, assert_trivial=True)
-        else:
-            op = gl.convert_layout(gl.permute(x, [1, 0]), B_OP)
-        return op
-
-    @gluon.jit
-    def residual_tail(acc, m_i, l_i, q_rows, g_rows, k_new, v_new, res_k, n_tail, tq, cq, qk_scale, KVH: gl.constexpr,
-              BS: gl.constexpr, D: gl.constexpr, BF16: gl.constexpr, NH: gl.constexpr):
+    def residual_tail(acc, m_i, l_i, q_rows, g_rows, k_new, v_new, res_k, n_tail, tq, cq, qk_scale,
+                      KVH: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, BF16: gl.constexpr, NH: gl.constexpr):
         """The residual tail (n_tail tokens at res_k, full precision) and the new token (k_new / v_new
         [D]) into acc [D, NH] (plain units), m_i and l_i ([NH], HL), in masked 16-token chunks; also
         returns the product of the rescales, for the m parts' sums."""

@@ -226,3 +226,13 @@ if HAVE_GLUON:
         """[16, N] -> its rows 0-7 [8, N], where the row + 8 bit is a register bit (nothing moves)."""
         lo, hi = gl.split(gl.permute(gl.reshape(x, [2, 8, x.shape[1]]), [1, 2, 0]))
         return lo
+
+    @gluon.jit
+    def q_operand(x, NH: gl.constexpr):
+        """fp16 q [16 head rows, D] in logical channel order -> the B operand q^T [D, NH]: rows 8-15
+        (padding) drop out at NH 8 (nothing moves); both n-tiles at NH 16."""
+        if NH == 8:
+            op = gl.convert_layout(gl.permute(halves(x), [1, 0]), B_OP, assert_trivial=True)
+        else:
+            op = gl.convert_layout(gl.permute(x, [1, 0]), B_OP)
+        return op

@@ -100,13 +100,12 @@ if HAVE_GLUON:
     def store_output(o, l_i, m_i, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, b, kvh, split,
                      stride_ob, stride_oh, num_splits, KVH: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
                      PARTIAL: gl.constexpr, FUSED: gl.constexpr, RMAX: gl.constexpr):
-        """o: O^T [D, NH] normalized (MMA layout; NH = 8 or 16 head columns), its rows in logical channel
-        order (row m holds memory channel (D/8) (m % 8) + m // 8), l_i / m_i [NH] the softmax sum and max
-        (base 2) per head: the output, or this split's partial (RMAX: see reduce_partials). Stored as
-        [NH heads, D] rows, 16
-        bytes a lane a store: straight from the MMA layout each lane held scattered channels, one
-        2-byte store apiece, and each store held its register until the store unit took it (a third
-        of a short program's time, H200)."""
+        """o: O^T [D, NH] normalized (MMA layout; NH = 8 or 16 head columns), its rows in logical
+        channel order (row m holds memory channel (D/8) (m % 8) + m // 8), l_i / m_i [NH] the softmax
+        sum and max (base 2) per head: the output, or this split's partial (RMAX: see reduce_partials).
+        Stored as [NH heads, D] rows, 16 bytes a lane a store: straight from the MMA layout each lane
+        held scattered channels, one 2-byte store apiece, and each store held its register until the
+        store unit took it (a third of a short program's time, H200)."""
         NH: gl.constexpr = o.shape[1]
         rows = gl.reshape(gl.permute(gl.reshape(o, [D // 8, 8, NH]), [2, 1, 0]), [NH, D])  # [head, channel]
         VEC: gl.constexpr = 4 if PARTIAL else 8  # 16 bytes of fp32 or of 16-bit values
