@@ -7,8 +7,8 @@ cases, data and timing as `kernels.py` (CUDA graph of 10 calls, median).
     python3 benchmarks/decode_heads.py --q-heads 64 --kv-heads 4 --dtypes int4   # + the INT4 direct kernel
 
 --variants times `decode_direct` with those keyword arguments beside the engine's path (8-bit pages); for
-int4 pages the direct kernel is timed beside the engine's path, which G > `ROUTED_GROUP` sends to the tile
-kernel."""
+int4 pages the direct kernel is timed beside the engine's path (the same kernel up to G `ROUTED_GROUP`,
+the tile kernel past it)."""
 from __future__ import annotations
 
 import argparse
@@ -40,7 +40,7 @@ def main() -> None:
         scale = a.head_dim ** -0.5
         runs = [("engine", lambda: decode_attention(cache, 0, q, kn, vn, meta, scale)),
                 ("plain", lambda: decode_attention(cache, 0, q, kn, vn, meta, scale, direct=False))]
-        if kv == "int4":  # the direct kernel even where the engine does not send it yet (ROUTED_GROUP)
+        if kv == "int4":  # the direct kernel even where the engine does not send it (G > ROUTED_GROUP)
             runs += [("int4 direct", lambda: decode_int4_direct(cache, 0, q, kn, vn, meta, scale))]
         else:
             runs += [(",".join(f"{k}={v}" for k, v in kw.items()),

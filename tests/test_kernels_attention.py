@@ -242,7 +242,8 @@ def test_wide_register_cap_follows_the_split_reduction():
 
 # ----------------------------------------------------------------------------- GPU (H200)
 
-GPU_GRID = [(dt, g, d, bs) for dt in DTYPES for (g, d, bs) in [(1, 128, 16), (4, 128, 16), (8, 64, 32)]]
+# G 16 through the engine's choice too: the direct kernels' two MMA n-tiles (8-bit and INT4, fp16/bf16 models)
+GPU_GRID = [(dt, g, d, bs) for dt in DTYPES for (g, d, bs) in [(1, 128, 16), (4, 128, 16), (8, 64, 32), (16, 128, 16)]]
 
 
 @pytest.mark.gpu

@@ -111,8 +111,7 @@ def test_gpu_decode_int4(gqa, head_dim, bs):
                                                    (3, 64, 16, F16), (4, 128, 32, BF16), (4, 256, 16, F16),
                                                    (8, 128, 16, BF16), (16, 128, 16, F16), (12, 64, 32, BF16)])
 def test_gpu_decode_int4_direct(gqa, head_dim, bs, dtype):
-    """Every path of the direct kernel against the torch reference; G 12 and 16 take two MMA n-tiles
-    (the engine routes them here only from `decode_int4_direct.ROUTED_GROUP`)."""
+    """Every path of the direct kernel against the torch reference; G 12 and 16 take two MMA n-tiles."""
     from kvmesh.kernels.decode_int4_direct import decode_int4_direct
 
     lens = [0, 17, 1000, 3000, 64, 2049, 511, 129]

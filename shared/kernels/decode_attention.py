@@ -2,9 +2,9 @@
 and the plain Triton kernel.
 
 `decode_attention` sends pages of fp16/bf16 models to the register-direct kernels where they serve
-the case: 8-bit pages to `decode_direct.py` (1.78-1.88x SDPA on the H200, against 1.0-1.15x here), INT4
+the case: 8-bit pages to `decode_direct.py` (1.80-1.93x SDPA on the H200, against 1.0-1.15x here), INT4
 pages to `decode_int4_direct.py` (else to the tile kernel of `decode_int4.py`); this kernel serves
-the rest (fp16/bf16/fp32 pages, G > 16 for 8-bit pages and G > 8 for INT4, the interpreter).
+the rest (fp16/bf16/fp32 pages, G > 16 for 8-bit pages, the interpreter).
 
 One program per (sequence, KV head, split) serves the G query heads of that KV head (padded to 16
 rows, or G rows that Triton pads inside the dot), so every page is read once. Its split of the sequence's full pages is read

@@ -70,10 +70,10 @@ REGISTER_OPTIONS = ((MAXNREG, 1.0), (128, 1.06))
 REGISTER_CAP_D64 = 128
 
 
-# G 9-16 builds (two MMA n-tiles, NH 16: 221-226 registers uncapped at head_dim 128, no spills, 469
-# instructions a chunk against 350, sm_90) and has GPU tests, which have not run yet: the engine sends it
-# G <= ROUTED_GROUP until they have, and the tile kernel serves larger groups
-ROUTED_GROUP = 8
+# G 9-16 take two MMA n-tiles (NH 16: 221-226 registers uncapped at head_dim 128, no spills, 469
+# instructions a chunk against 350, sm_90): 1.69-1.82x SDPA at 64 query heads over 4 KV heads against the
+# tile kernel's 0.48-0.63x (H200, benchmarks/decode_heads.py); larger groups go to the tile kernel
+ROUTED_GROUP = 16
 
 
 def supports(q: torch.Tensor, residual_dtype: torch.dtype, group: int, head_dim: int, block_size: int) -> bool:
