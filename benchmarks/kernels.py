@@ -201,7 +201,7 @@ def bench_decode(batch: int, ctx: int, reps: int, read_tbs: float, rows: list) -
     t_sdpa, sdpa_bytes = time_sdpa(case, reps)
     rows.append((f"{batch}x{ctx}", "sdpa fp16 contiguous", t_sdpa, sdpa_bytes / t_sdpa / 1e9,
                  sdpa_bytes / t_sdpa / 1e9 / read_tbs, 1.0, 1.0))
-    log(f"  sdpa {batch}x{ctx}: {t_sdpa:.3f} ms")
+    log(f"  sdpa {batch}x{ctx}: {t_sdpa * 1e3:.1f} us")
     for kv in KV_DTYPES:
         try:
             cache, meta, q, kn, vn = decode_problem(kv, case)  # q [B, H, D]
@@ -216,7 +216,7 @@ def bench_decode(batch: int, ctx: int, reps: int, read_tbs: float, rows: list) -
                 name = f"paged {kv}{' direct' if kv in DIRECT_DTYPES and direct is None else label}"
                 rows.append((f"{batch}x{ctx}", name, t, nbytes / t / 1e9, nbytes / t / 1e9 / read_tbs,
                              t_sdpa / t, ideal))
-                log(f"  {name:24s} {batch}x{ctx}: {t:.3f} ms  {t_sdpa / t:.2f}x sdpa  (ideal {ideal:.2f}x)")
+                log(f"  {name:24s} {batch}x{ctx}: {t * 1e3:.1f} us  {t_sdpa / t:.3f}x sdpa  (ideal {ideal:.2f}x)")
             del cache
         except Exception:  # one failed dtype costs one row
             log(f"  {kv} {batch}x{ctx} FAILED:\n{traceback.format_exc()}")
@@ -329,13 +329,13 @@ def bench_mixed_step(cache: KVCache, perm: torch.Tensor, q, k, v, dt: torch.dtyp
 
 def table(rows: list, read_tbs: float, copy_tbs: float) -> str:
     lines = [f"read bandwidth (torch.sum, 4 GiB): {read_tbs:.2f} TB/s; copy (read + write): {copy_tbs:.2f} TB/s",
-             "", "| case | kernel | time ms | TB/s (TFLOP/s for prefill) | % of bandwidth | speedup vs SDPA | ideal |",
+             "", "| case | kernel | time µs | TB/s (TFLOP/s for prefill) | % of bandwidth | speedup vs SDPA | ideal |",
              "|---|---|---|---|---|---|---|"]
     for case, name, t, tbs, frac, sp, ideal in rows:
         pct = "" if math.isnan(frac) else f"{100 * frac:.0f}%"
-        spd = "" if math.isnan(sp) else f"{sp:.2f}x"
+        spd = "" if math.isnan(sp) else f"{sp:.3f}x"
         idl = "" if math.isnan(ideal) else f"{ideal:.2f}x"
-        lines.append(f"| {case} | {name} | {t:.3f} | {tbs:.2f} | {pct} | {spd} | {idl} |")
+        lines.append(f"| {case} | {name} | {t * 1e3:.1f} | {tbs:.2f} | {pct} | {spd} | {idl} |")
     return "\n".join(lines)
 
 
