@@ -38,7 +38,12 @@ VARIANTS_8 = [("default", dict()), ("tail first", dict(tail_first=True)), ("tail
               ("l1 no-allocate k", dict(loads_with=dict(l1_no_allocate=1))),
               ("l1 no-allocate off", dict(loads_with=dict(l1_no_allocate=0)))]
 VARIANTS_16 = [("plain", dict(plain=True, heads_first=False)),
-               ("plain heads first", dict(plain=True, heads_first=True))]
+               ("plain heads first", dict(plain=True, heads_first=True)),
+               ("engine", dict(plain=True)),  # the format's own tile and choices
+               ("two dots", dict(plain=True, lo_rows=False)),  # bf16: p . v as hi + lo dots, not lo rows
+               ("lo rows", dict(plain=True, lo_rows=True)),  # bf16: lo rows at every case
+               ("lo rows 32x5 cap128", dict(plain=True, lo_rows=True, block_n=32, num_stages=5, maxnreg=128)),
+               ("lo rows 128x5", dict(plain=True, lo_rows=True, block_n=128, num_stages=5))]
 
 
 def variants(kv: str, again: bool, names: list | None = None) -> list:

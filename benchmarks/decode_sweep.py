@@ -25,7 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernels as kb  # noqa: E402  (maps kvmesh to shared/ when not installed)
 
-from kvmesh.kernels.decode_attention import TILES, decode_attention  # noqa: E402
+from kvmesh.kernels.decode_attention import decode_attention  # noqa: E402
+from kvmesh.kernels.decode_tiles import TILES  # noqa: E402
 from kvmesh.kernels.formats import FMT_CODES  # noqa: E402
 
 GRID = dict(block_n=(32, 64, 128), num_warps=(4,), num_stages=(1, 3, 5))
@@ -123,7 +124,7 @@ def main() -> None:
     ap.add_argument("--block-n", default=None, help="tile sizes to try, e.g. 64,128 (default: GRID's)")
     ap.add_argument("--stages", default=None, help="pipeline depths to try, e.g. 3,5 (default: GRID's)")
     ap.add_argument("--programs-per-sm", default=None, help="split policies, e.g. 0,8 (default: all)")
-    ap.add_argument("--tiles-only", action="store_true", help="only the shipped tiles (decode_attention.TILES)")
+    ap.add_argument("--tiles-only", action="store_true", help="only the shipped tiles (decode_tiles.TILES)")
     ap.add_argument("--block-h", default=None, help="query rows per program to try, e.g. 4,16 (default: 16)")
     ap.add_argument("--heads-first", default=None, help="grid orders to try, e.g. 0,1 (default: the tile's)")
     ap.add_argument("--out", type=Path, default=Path("decode_sweep_out"))

@@ -122,6 +122,22 @@ def test_decode_heads_first_past_one_wave_matches_torch():
     check("fp16", 2, 128, 16, lens, [1] * len(lens), kv_heads=4, attend=attend)  # head_dim 128: its shape
 
 
+@pytest.mark.parametrize("gqa", [4, 3, 8])
+def test_decode_lo_rows_match_torch(gqa):
+    # bf16 pages with p's lo part in the padding query rows (one p . v dot; on the GPU the lo part is
+    # what p loses in bf16, here in fp32 it is 0): forced, with and without splits, then the launcher's
+    # choices at head_dim 128 (decode_tiles.lo_rows_launch): a launch that fits one wave (deep
+    # pipeline), and 40 x 4 programs on 132 SMs x 1 (past a wave, unsplit)
+    for splits in (1, 3):
+        check("bf16", gqa, 64, 16, [0, 13, 2 * 16, 3 * 16 + 5], [1, 1, 1, 1],
+              attend=lambda *a: decode_attention(*a, splits=splits, direct=False, lo_rows=True))
+    check("bf16", gqa, 128, 16, [0, 13, 2 * 16, 3 * 16 + 5], [1, 1, 1, 1],
+          attend=lambda *a: decode_attention(*a, direct=False))
+    lens = [(7 * i) % 50 for i in range(40)]
+    check("bf16", gqa, 128, 16, lens, [1] * len(lens), kv_heads=4,
+          attend=lambda *a: decode_attention(*a, programs_per_sm=1, direct=False))
+
+
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "int8"])
 @pytest.mark.parametrize("gqa,head_dim,bs", [(4, 64, 16), (1, 128, 32)])
 def test_decode_split_codes_match_torch(kv, gqa, head_dim, bs):
@@ -255,6 +271,16 @@ def test_gpu_decode_and_extend(kv, gqa, head_dim, bs):
     check(kv, gqa, head_dim, bs, lens, [1] * len(lens), kv_heads=8, device="cuda",
           attend=lambda *a: decode_attention(*a, splits=7))
     check(kv, gqa, head_dim, bs, [0, 700, 33, 1500], [300, 129, 1, 77], kv_heads=8, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gqa,head_dim", [(4, 128), (8, 64), (3, 128)])
+def test_gpu_decode_lo_rows(gqa, head_dim):
+    # bf16 pages, p . v as one dot with p's lo bf16 part in the padding query rows
+    lens = [0, 17, 1000, 3000, 64, 2049, 511, 129]
+    for splits in (None, 1, 7):
+        check("bf16", gqa, head_dim, 16, lens, [1] * len(lens), kv_heads=8, device="cuda",
+              attend=lambda *a: decode_attention(*a, splits=splits, direct=False, lo_rows=True))
 
 
 @pytest.mark.gpu

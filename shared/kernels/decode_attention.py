@@ -22,14 +22,15 @@ Decode is memory-bound, so what matters is bytes in flight and whole waves:
   program's end then waits on one round trip, not two (+1.2-1.5 % at 256 x 1024).
 - A sequence's KV heads launched side by side (they read the same pages at about the same time):
   always for bf16, for fp16 where one split's programs take more than a wave (+1 % at 256 x 1024).
-- Per-format tiles (`TILES`) come from benchmarks/decode_sweep.py on the H200; int8 reads its codes
+- bf16 pages: p . v as one dot with p's lo bf16 part in the padding query rows (LO_ROWS: 168
+  registers against two dots' 213), the launch picked by each variant's own waves (`decode_tiles.py`).
+- Per-format tiles (`decode_tiles.TILES`) come from benchmarks/decode_sweep.py on the H200; int8 reads its codes
   as 32-bit words decoded into even/odd channel halves (`_split_tile`), which keeps Triton from
   gathering single bytes out of shared memory for the dot operands.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -38,41 +39,13 @@ import triton.language as tl
 from kvmesh.kernels import decode_direct, decode_int4_direct
 from kvmesh.kernels.decode_int4 import decode_int4
 from kvmesh.kernels.backend import AttentionMetadata
-from kvmesh.kernels.formats import (FMT_BF16, FMT_CODES, FMT_E4M3, FMT_E5M2, FMT_FP16, FMT_FP32,
-                                    FMT_INT4, FMT_INT8)
+from kvmesh.kernels.formats import FMT_BF16, FMT_CODES, FMT_E4M3, FMT_E5M2, FMT_INT4, FMT_INT8
+from kvmesh.kernels.decode_tiles import TILES, lo_rows_launch
 from kvmesh.kernels.splits import launch_split, num_sms, num_splits, resident_of
 from kvmesh.kernels.splits import resident_programs  # noqa: F401 (re-exported for callers)
 from kvmesh.kernels.paged_attention import (LOG2E, _cast_out, _check, _dot, _dot_dtype, _load_page_tile,
                                             _softmax_step, _unit)
 from kvmesh.kv.pool import KVCache
-
-
-
-@dataclass(frozen=True)
-class DecodeTiles:
-    """Launch choices of the decode kernel for one KV format."""
-
-    block_n: int  # tokens per tile (a multiple of the block size)
-    num_stages: int  # Triton pipeline depth: 5 gives two buffers of K/V tiles, 3 one, 1 none
-    native_cvt: bool = False  # hardware fp8 -> fp16 conversion instead of bit operations
-    split_codes: int = 0  # 8-bit codes as 32-bit words in even/odd channel halves: 1 K and V, 2 V only
-    pad_rows: bool = True  # query rows padded to 16 (else G: Triton pads the dot, the softmax runs on G)
-    heads_first: bool = False  # grid (KVH, B, splits): a sequence's KV heads launched side by side
-    tail_early: bool = False  # the tail's slot id and new K/V row loaded with q (SPLIT 0 only)
-    heads_first_past_one_wave: bool = False  # heads first where one split's programs take more than a wave
-    maxnreg: int | None = None  # register cap for this tile at head_dim 128 (fp16: 128 keeps 4 programs an SM)
-
-
-# Fastest on the H200 over 64 x 4096 and 16 x 16384 (benchmarks/decode_sweep.py, docs/kernels.md).
-# bf16 heads first: +1 % at 64 x 4096 and 256 x 1024, = elsewhere (fp16: +0.9 % at 256 x 1024, -0.4-0.6 %
-# at two others: not kept). H200, two runs of benchmarks/decode_direct_sweep.py (docs/decode_direct.md).
-# fp16/bf16 tail_early: +1.2 / +1.5 % at 256 x 1,024, bf16 +0.8 % at 16 x 16,384 and 8 x 32,768, = elsewhere;
-# fp16 heads first past one wave: +0.8-1.2 % at 256 x 1,024 (the only case it changes).
-TILES = {FMT_FP32: DecodeTiles(32, 3),
-         FMT_FP16: DecodeTiles(32, 5, tail_early=True, maxnreg=128, heads_first_past_one_wave=True),
-         FMT_BF16: DecodeTiles(128, 3, heads_first=True, tail_early=True),
-         FMT_E4M3: DecodeTiles(128, 1, native_cvt=True), FMT_E5M2: DecodeTiles(128, 1, pad_rows=False),
-         FMT_INT8: DecodeTiles(128, 3, split_codes=1), FMT_INT4: DecodeTiles(32, 5, pad_rows=False)}
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # one compile for every split count
@@ -101,12 +74,15 @@ def decode_kernel(
     ASM: tl.constexpr,
     HEADS_FIRST: tl.constexpr = False,  # grid (KVH, B, splits): a sequence's KV heads launched side by side
     TAIL_EARLY: tl.constexpr = False,  # SPLIT == 0: the tail's slot and new row loaded at the start
+    LO_ROWS: tl.constexpr = False,  # bf16 pages, G <= BLOCK_H / 2: p's lo part in rows BLOCK_H / 2.. (_softmax_step)
 ):
     b = tl.program_id(1) if HEADS_FIRST else tl.program_id(0)
     kvh = tl.program_id(0) if HEADS_FIRST else tl.program_id(1)
     split = tl.program_id(2)
     prefix = tl.load(prefix_lens_ptr + b)
     r = tl.arange(0, BLOCK_H)
+    if LO_ROWS:  # rows BLOCK_H / 2.. repeat the heads of rows 0..
+        r = r % (BLOCK_H // 2)
     head = kvh * G + r  # [M] query heads of this KV head (rows >= G are padding)
     row_ok = r < G
     d = tl.arange(0, D)
@@ -149,7 +125,7 @@ def decode_kernel(
             vt, vs = _load_page_tile(pool_ptr, base, tok, nm, kvh, V_OFF, VS_OFF, False, FMT, BS, D,
                                      DOT, NATIVE)
             acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kt, ks, vt, vs, nm[None, :], qk_scale,
-                                          HAS_SCALE, DOT)
+                                          HAS_SCALE, DOT, LO_ROWS)
         else:
             if SPLIT == 1:
                 ke, ko = _split_tile(pool_ptr, base, tok, all_rows, kvh, 0, FMT, BS, D, ASM)
@@ -184,7 +160,7 @@ def decode_kernel(
             kt = tl.where(is_new, k_new[None, :], tl.load(rk + d[None, :], mask=tm[:, None], other=0.0))
             vt = tl.where(is_new, v_new[None, :], tl.load(rv + d[None, :], mask=tm[:, None], other=0.0))
             acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kt.to(DOT), kt, vt.to(DOT), vt, valid,
-                                          qk_scale, False, DOT)
+                                          qk_scale, False, DOT, LO_ROWS)
         else:
             ones = tl.full((BS,), 1.0, tl.float32)
             ce, co = 2 * c2, 2 * c2 + 1
@@ -197,6 +173,14 @@ def decode_kernel(
                                                  qk_scale, DOT)
     if SPLIT > 0:  # back to channel order: (m, j, 0) = channel 2j, (m, j, 1) = channel 2j + 1
         acc = tl.reshape(tl.join(acc_e, acc_o), (BLOCK_H, D))
+    if LO_ROWS:  # each head's hi and lo sums added once; both halves carry the same max and sum
+        HALF: tl.constexpr = BLOCK_H // 2
+        acc = tl.sum(tl.reshape(acc, (2, HALF, D)), axis=0)  # [HALF, D]
+        m_i = tl.max(tl.reshape(m_i, (2, HALF)), axis=0)
+        l_i = tl.max(tl.reshape(l_i, (2, HALF)), axis=0)
+        r = tl.arange(0, HALF)
+        head = kvh * G + r
+        row_ok = r < G
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -296,7 +280,8 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
                      programs_per_sm: int = 0, native_cvt: bool | None = None,
                      split_codes: int | None = None, block_h: int | None = None,
                      maxnreg: int | None = None, direct: bool | None = None,
-                     heads_first: bool | None = None, tail_early: bool | None = None) -> torch.Tensor:
+                     heads_first: bool | None = None, tail_early: bool | None = None,
+                     lo_rows: bool | None = None) -> torch.Tensor:
     """out [B, H, D] for q [B, H, D] (one new token per sequence, k/v [B, KVH, D] its new K/V).
     None takes the format's entry in TILES. `native_cvt` converts fp8/int8 with the hardware
     instructions instead of bit operations; `split_codes` reads 8-bit codes as 32-bit words decoded
@@ -308,7 +293,8 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
     ValueError says why where it cannot serve); `heads_first` launches a sequence's KV heads side by side
     (this kernel; None: the format's choice, fp16 heads first only where one split takes more than a
     wave); `tail_early` loads the last split's residual slot id and new K/V row with q, so no
-    load waits after the last page (fp16/bf16 by default)."""
+    load waits after the last page (fp16/bf16 by default); `lo_rows` (bf16 pages, G <= 8) computes p . v
+    as one dot with p's lo part in the padding query rows (None: `decode_tiles.lo_rows_launch` decides)."""
     if meta.max_query_len != 1 or q.shape[0] != meta.num_seqs:
         raise ValueError(f"decode needs one new token per sequence: max_query_len={meta.max_query_len}, "
                          f"T={q.shape[0]}, B={meta.num_seqs}")
@@ -378,12 +364,18 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
         DOT=_dot_dtype(fmt, q), NATIVE=native_cvt, SPLIT=int(split_codes),
         ASM=bool(native_cvt and os.environ.get("TRITON_INTERPRET") != "1"),  # no inline PTX there
         HEADS_FIRST=hf and B < 65536, TAIL_EARLY=bool(tail_early and not split_codes),
+        LO_ROWS=bool(lo_rows) and fmt == FMT_BF16 and 2 * G <= block_h,
         num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
     if splits is None:
-        resident = programs_per_sm or resident_of("plain", decode_kernel, args, q.device)
+        def resident_in(a: dict) -> int:
+            return programs_per_sm or resident_of("plain", decode_kernel, a, q.device)
         sms = num_sms(q.device)
+        resident = resident_in(args)
         splits = num_splits(B, L.kv_heads, meta.max_prefix_len + 1, sms, resident, block_n)
         past_one_wave = splits == 1 and B * L.kv_heads > sms * resident
         if heads_first is None and tiles.heads_first_past_one_wave and llama_shape and past_one_wave:
             args["HEADS_FIRST"] = B < 65536
+        if lo_rows is None and tiles.lo_rows_deep_stages and own_tile and llama_shape and 2 * G <= block_h:
+            args, splits = lo_rows_launch(args, splits, tiles.lo_rows_deep_stages, B, L.kv_heads,
+                                          meta.max_prefix_len + 1, sms, block_n, resident_in)
     return launch_split(decode_kernel, out, L.kv_heads, splits, args)

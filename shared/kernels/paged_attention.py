@@ -108,8 +108,10 @@ def _dot(a, b, DOT: tl.constexpr):
 
 @triton.jit
 def _softmax_step(acc, m_i, l_i, q, kt, ks, vt, vs, valid, qk_scale, HAS_SCALE: tl.constexpr,
-                  DOT: tl.constexpr):
-    """One online-softmax step over a key tile. kt, vt: [N, D]; ks, vs: [N]; valid: [M, N]."""
+                  DOT: tl.constexpr, LO_ROWS: tl.constexpr = False):
+    """One online-softmax step over a key tile. kt, vt: [N, D]; ks, vs: [N]; valid: [M, N]. LO_ROWS:
+    q's rows M/2.. repeat rows 0.. (so do their scores, max and sum) and their p is what p loses
+    in DOT's precision, so one dot yields both parts (the caller adds the halves once at the end)."""
     s = _dot(q, tl.trans(kt), DOT)  # [M, N] fp32
     if HAS_SCALE:
         s = s * (ks * qk_scale)[None, :]
@@ -126,6 +128,11 @@ def _softmax_step(acc, m_i, l_i, q, kt, ks, vt, vs, valid, qk_scale, HAS_SCALE: 
         # (an e5m2 scale is ~absmax / 57344: p * s alone would sink into subnormals)
         v_max = tl.maximum(tl.max(vs, axis=0), 1e-30)
         acc += _dot((p * (vs / v_max)[None, :]).to(DOT), vt, DOT) * v_max
+    elif LO_ROWS:
+        p_hi = p.to(DOT)
+        p_lo = (p - p_hi.to(tl.float32)).to(DOT)  # 0 where DOT is fp32 (the interpreter)
+        lo = (tl.arange(0, p.shape[0]) >= p.shape[0] // 2)[:, None]
+        acc += _dot(tl.where(lo, p_lo, p_hi), vt, DOT)
     elif DOT == tl.bfloat16:  # p as hi + lo bf16 parts: bf16's 8-bit mantissa alone costs ~1e-3
         p_hi = p.to(tl.bfloat16)
         acc += _dot(p_hi, vt, DOT) + _dot((p - p_hi.to(tl.float32)).to(tl.bfloat16), vt, DOT)

@@ -1,0 +1,44 @@
+"""The plain decode kernel's launch choices for bf16 pages (`decode_tiles.lo_rows_launch`): at the four
+benchmark cases, with the residencies the sm_90 builds give (hi + lo dots at 128-token tiles and 3 stages:
+213 registers, 2 programs an SM; lo rows: 168, 3; lo rows at 5 stages: 140 KB of shared memory, 1), it
+takes what the H200 measured fastest (docs/kernels.md)."""
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.kernels.decode_tiles import TILES, lo_rows_launch
+from kvmesh.kernels.formats import FMT_BF16
+from kvmesh.kernels.splits import num_splits
+
+SMS, KVH, BLOCK_N = 132, 8, 128
+
+
+def resident(args: dict) -> int:
+    if not args.get("LO_ROWS"):
+        return 2
+    return 1 if args["num_stages"] == 5 else 3
+
+
+@pytest.mark.parametrize("batch,ctx,want", [(64, 4096, ("two dots", 1)), (16, 16384, ("deep", 1)),
+                                            (256, 1024, ("lo rows", 1)), (8, 32768, ("deep", 2))])
+def test_bf16_launch_at_the_benchmark_cases(batch, ctx, want):
+    base = dict(LO_ROWS=False, num_stages=TILES[FMT_BF16].num_stages)
+    splits = num_splits(batch, KVH, ctx + 1, SMS, resident(base), BLOCK_N)
+    args, s = lo_rows_launch(base, splits, TILES[FMT_BF16].lo_rows_deep_stages, batch, KVH, ctx + 1, SMS,
+                             BLOCK_N, resident)
+    kind = "two dots" if not args["LO_ROWS"] else "deep" if args["num_stages"] == 5 else "lo rows"
+    assert (kind, s) == want
+    assert base == dict(LO_ROWS=False, num_stages=3)  # the caller's arguments are not changed in place
+
+
+def test_deep_launch_fills_at_most_one_wave():
+    # wherever the deep variant is taken, its programs fit the SMs at once
+    for batch in (1, 2, 4, 8, 16, 17, 33, 64):
+        for ctx in (512, 2048, 8192, 65536):
+            base = dict(LO_ROWS=False, num_stages=3)
+            splits = num_splits(batch, KVH, ctx, SMS, 2, BLOCK_N)
+            args, s = lo_rows_launch(base, splits, 5, batch, KVH, ctx, SMS, BLOCK_N, resident)
+            if args["LO_ROWS"] and args["num_stages"] == 5:
+                assert batch * KVH * s <= SMS
+            elif not args["LO_ROWS"]:
+                assert s == splits
