@@ -1,7 +1,8 @@
 """The register-direct decode kernels (Gluon) cannot run under Triton's interpreter, so CI builds them
 for the H200's sm_90 instead, through Triton's own ptxas, and checks what the chunk loop is made of:
 a version of Triton whose Gluon API moved (Triton 3.9 renamed `_reinterpret`, which turned the INT4
-kernel off with a warning) or a change that spills fails here, not only on the GPU."""
+kernel off with a warning) or a change that spills fails here, not only on the GPU. The plain kernel's
+bf16 launches are built too: the launcher's choice among them rests on how many programs an SM holds."""
 from __future__ import annotations
 
 import json
@@ -14,13 +15,23 @@ import pytest
 from kvmesh.kernels.sm90_build import CASES, SPILL_BUDGET
 
 
-@pytest.fixture(scope="module")
-def report() -> list[dict]:
+def _build(*args: str):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real build, not the interpreter
-    done = subprocess.run([sys.executable, "-m", "kvmesh.kernels.sm90_build"], capture_output=True, text=True,
-                          env=env, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "kvmesh.kernels.sm90_build", *args], capture_output=True,
+                          text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def report() -> list[dict]:
+    return _build()
+
+
+def test_bf16_launches_hold_the_programs_the_launcher_counts_on():
+    # two dots 209-213 registers (2 programs an SM), lo rows 167-168 (3), lo rows at 5 stages 140 KB of
+    # shared memory (1): the residencies tests/test_decode_tiles.py takes for the H200
+    assert _build("--bf16-launches") == {"two dots": 2, "lo rows": 3, "lo rows deep": 1}
 
 
 def test_every_direct_kernel_builds_for_sm90(report):

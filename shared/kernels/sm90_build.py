@@ -1,8 +1,9 @@
-"""An offline sm_90 build of the register-direct decode kernels (Gluon): compiled through Triton's
-own ptxas for a Hopper target on a machine without a GPU, disassembled with the cuobjdump its wheel
-carries. It gives what the chunk loop costs (registers, stack, SASS by opcode) at no device time, and
-lets CI on the CPU check that the kernels still build under the installed Triton (they cannot run
-under its interpreter). `benchmarks/sass.py` is its command line.
+"""An offline sm_90 build of the register-direct decode kernels (Gluon), and of the plain Triton decode
+kernel for its launch choices: compiled through Triton's own ptxas for a Hopper target on a machine
+without a GPU, disassembled with the cuobjdump its wheel carries. It gives what the chunk loop costs
+(registers, stack, shared memory, SASS by opcode) at no device time, and lets CI on the CPU check that
+the kernels still build under the installed Triton (the direct ones cannot run under its interpreter).
+`benchmarks/sass.py` is its command line.
 
     python -m kvmesh.kernels.sm90_build   # JSON: each kernel at Llama-3-8B's and SmolLM2's heads
 """
@@ -44,21 +45,10 @@ def kernel_of(name: str):
                                         "TAIL_FIRST": lo.tail_first, "L1NA": lo.l1_no_allocate}
 
 
-def compile_sass(kernel, kv_dtype: str, d: int, g: int, bs: int, extra: dict, maxnreg: int | None,
-                 partial: bool, bf16: bool) -> tuple[str, dict]:
-    """(SASS text, {registers, stack, shared}) of `kernel` built for sm_90 at 8 KV heads, G query
-    heads a KV head, head_dim d, block size bs; `partial`: split programs (partials, fused reduction)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import compile as triton_compile
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    lay = BlockLayout(num_layers=1, kv_heads=8, head_dim=d, block_size=bs, kv_dtype=kv_dtype)
-    if "NH" in kernel.arg_names:  # the 8-bit kernel's head columns, as decode_direct() picks them
-        from kvmesh.kernels.decode_direct import head_columns
-        extra = {"NH": head_columns(g), **extra}
-    consts = dict(V_OFF=lay.v_data_offset, KS_OFF=lay.k_scale_offset, VS_OFF=lay.v_scale_offset, KVH=8, G=g,
-                  BS=bs, D=d, PARTIAL=partial, FUSED=partial, BF16=bf16, RMAX=4, **extra)
+def _source(kernel, consts: dict, bf16: bool, source_type):
+    """`kernel` as a compile source: the constexprs given (the rest at their defaults), pointers typed as
+    the launcher passes them (16-bit tensors bf16 for a bf16 model), ints divisible by 16 as it specializes
+    pointers, strides and offsets."""
     names = kernel.arg_names
     sig = {}
     for n in names:
@@ -72,23 +62,25 @@ def compile_sass(kernel, kv_dtype: str, d: int, g: int, bs: int, extra: dict, ma
         else:
             sig[n] = "i32"
     const_values = {(names.index(n),): v for n, v in consts.items() if n in names}
-    # declared constexprs left at their defaults
-    for p in kernel.params:
+    for p in kernel.params:  # declared constexprs left at their defaults
         if p.is_constexpr and p.name not in consts:
             sig[p.name] = "constexpr"
             const_values[(names.index(p.name),)] = p.default
-    # as the launcher specializes them: pointers and the strides and offsets (multiples of 16 here)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if sig[n] != "constexpr" and n not in FLOATS and n not in UNALIGNED}
-    src = GluonASTSource(kernel, sig, const_values, attrs)
-    opts = {"num_warps": 1}
-    if maxnreg:
-        opts["maxnreg"] = maxnreg
-    compiled = triton_compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-    cubin = compiled.asm["cubin"]
+    return source_type(kernel, sig, const_values, attrs)
+
+
+def _build(src, options: dict) -> tuple[str, dict]:
+    """(SASS text, {registers, stack, shared}) of a compile source built for sm_90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as triton_compile
+
+    compiled = triton_compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
+        f.write(compiled.asm["cubin"])
     try:
         sass = _run(bindir / "cuobjdump", "-sass", f.name)
         usage = _run(bindir / "cuobjdump", "-res-usage", f.name)
@@ -99,6 +91,49 @@ def compile_sass(kernel, kv_dtype: str, d: int, g: int, bs: int, extra: dict, ma
     meta = {"registers": int(regs.group(1)) if regs else -1, "stack": int(stack.group(1)) if stack else -1,
             "shared": compiled.metadata.shared}
     return sass, meta
+
+
+def compile_sass(kernel, kv_dtype: str, d: int, g: int, bs: int, extra: dict, maxnreg: int | None,
+                 partial: bool, bf16: bool) -> tuple[str, dict]:
+    """(SASS text, {registers, stack, shared}) of `kernel` built for sm_90 at 8 KV heads, G query
+    heads a KV head, head_dim d, block size bs; `partial`: split programs (partials, fused reduction)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    lay = BlockLayout(num_layers=1, kv_heads=8, head_dim=d, block_size=bs, kv_dtype=kv_dtype)
+    if "NH" in kernel.arg_names:  # the 8-bit kernel's head columns, as decode_direct() picks them
+        from kvmesh.kernels.decode_direct import head_columns
+        extra = {"NH": head_columns(g), **extra}
+    consts = dict(V_OFF=lay.v_data_offset, KS_OFF=lay.k_scale_offset, VS_OFF=lay.v_scale_offset, KVH=8, G=g,
+                  BS=bs, D=d, PARTIAL=partial, FUSED=partial, BF16=bf16, RMAX=4, **extra)
+    opts = {"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return _build(_source(kernel, consts, bf16, GluonASTSource), opts)
+
+
+def compile_plain_sass(kv_dtype: str, d: int, g: int, bs: int, extra: dict, maxnreg: int | None, partial: bool,
+                       bf16: bool, block_n: int | None = None, num_stages: int | None = None) -> tuple[str, dict]:
+    """The plain Triton decode kernel (`decode_attention.decode_kernel`) as `decode_attention` launches it
+    for `kv_dtype` pages at head_dim 128 and 16 query rows (its format's tile and choices from
+    `decode_tiles.TILES` unless given; `extra`: constexprs such as LO_ROWS), built for sm_90 like
+    `compile_sass`."""
+    import triton
+    from triton.compiler import ASTSource
+
+    from kvmesh.kernels.decode_attention import decode_kernel
+    from kvmesh.kernels.decode_tiles import TILES
+    from kvmesh.kernels.formats import FMT_CODES, FMT_E4M3, FMT_E5M2, FMT_INT8
+    from kvmesh.kernels.paged_attention import _dot_dtype, _unit
+
+    fmt = FMT_CODES[kv_dtype]
+    t = TILES[fmt]
+    lay = BlockLayout(num_layers=1, kv_heads=8, head_dim=d, block_size=bs, kv_dtype=kv_dtype)
+    block_h = max(16, triton.next_power_of_2(g)) if t.pad_rows else triton.next_power_of_2(g)
+    consts = dict(V_OFF=lay.v_data_offset // _unit(fmt), KS_OFF=lay.k_scale_offset, VS_OFF=lay.v_scale_offset,
+                  FMT=fmt, HAS_SCALE=fmt in (FMT_E4M3, FMT_E5M2, FMT_INT8), KVH=8, G=g, BS=bs, D=d,
+                  BLOCK_H=block_h, BLOCK_N=max(block_n or t.block_n, bs), PARTIAL=partial, DOT=_dot_dtype(fmt, None),
+                  NATIVE=t.native_cvt, SPLIT=t.split_codes, ASM=t.native_cvt, HEADS_FIRST=t.heads_first,
+                  TAIL_EARLY=t.tail_early and d == 128 and block_h == 16 and not t.split_codes, **extra)
+    opts = {"num_warps": 4, "num_stages": num_stages or t.num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return _build(_source(decode_kernel, consts, bf16, ASTSource), opts)
 
 
 INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
@@ -144,5 +179,24 @@ def build_report(cases=CASES) -> list[dict]:
     return report
 
 
+H200_SHARED_PER_SM = 233472  # bytes of shared memory an SM (228 KB)
+
+
+def bf16_launches() -> dict:
+    """Programs an H200 SM holds of each launch `decode_tiles.lo_rows_launch` picks from for bf16 pages
+    (Llama-3-8B heads, a bf16 model, split programs): its choice rests on these."""
+    from kvmesh.kernels.decode_tiles import TILES
+    from kvmesh.kernels.formats import FMT_BF16
+    from kvmesh.kernels.splits import resident_programs
+
+    deep = TILES[FMT_BF16].lo_rows_deep_stages
+    out = {}
+    for name, extra, stages in (("two dots", {}, None), ("lo rows", {"LO_ROWS": True}, None),
+                                ("lo rows deep", {"LO_ROWS": True}, deep)):
+        _, meta = compile_plain_sass("bf16", 128, 4, 16, extra, None, True, True, num_stages=stages)
+        out[name] = resident_programs(meta["registers"], meta["shared"], 4, H200_SHARED_PER_SM)
+    return out
+
+
 if __name__ == "__main__":
-    json.dump(build_report(), sys.stdout)
+    json.dump(bf16_launches() if sys.argv[1:] == ["--bf16-launches"] else build_report(), sys.stdout)
