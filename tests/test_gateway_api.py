@@ -150,6 +150,49 @@ async def test_malformed_json_and_non_object(client):
     assert_error(await r.json(), None)
 
 
+@pytest.mark.parametrize("path,raw,param", [
+    ("/v1/chat/completions", b'{"model": "smollm2", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+     "messages[0].content"),
+    ("/v1/chat/completions", b'{"model": "smollm2", "messages": [{"role": "user", "content": "a\xed\xa0\x80"}]}',
+     "messages[0].content"),  # the surrogate's own bytes, which json.loads lets through
+    ("/v1/completions", b'{"model": "smollm2", "prompt": "x", "stop": ["ok", "\\udc00"]}', "stop[1]"),
+    ("/v1/completions", b'{"model": "smollm2", "prompt": "x", "logit_bias": {"\\ud801": 1}}', "logit_bias"),
+    ("/tokenize", b'{"prompt": "\\ude00 alone"}', "prompt"),
+])
+async def test_unpaired_surrogate_is_a_400_not_a_500(client, path, raw, param):
+    # JSON lets a lone "\ud800" through, and no tokenizer takes it: it was a 500 with a text body
+    r = await client.post(path, data=raw, headers={"Content-Type": "application/json"})
+    assert r.status == 400, await r.text()
+    assert_error(await r.json(), param, "invalid_json")
+
+
+async def test_paired_surrogates_and_deep_nesting(client):
+    r = await client.post("/tokenize", data=b'{"prompt": "smile \\ud83d\\ude00"}',
+                          headers={"Content-Type": "application/json"})  # an escaped emoji is one character
+    assert r.status == 200 and (await r.json())["count"] > 1
+    r = await client.post("/v1/completions", data=b"[" * 100_000, headers={"Content-Type": "application/json"})
+    assert r.status == 400
+    assert_error(await r.json(), None, "invalid_json")
+
+
+async def test_unexpected_fault_is_an_openai_shaped_500_and_the_gateway_serves_on(client):
+    class Broken:
+        def encode(self, *a, **kw):
+            raise RuntimeError("tokenizer fell over")
+
+    gw = client.server.app[GATEWAY]
+    tok, gw.tokenizer = gw.tokenizer, Broken()
+    try:
+        r = await client.post("/tokenize", json={"prompt": "hello"})
+        assert r.status == 500
+        err = (await r.json())["error"]
+        assert err["type"] == "internal_server_error" and "RuntimeError" in err["message"]
+    finally:
+        gw.tokenizer = tok
+    r = await client.post("/tokenize", json={"prompt": "hello"})
+    assert r.status == 200
+
+
 async def test_too_long_prompt_names_max_model_len(client):
     r = await client.post("/v1/completions", json={"model": "smollm2", "prompt": "word " * 80, "max_tokens": 4})
     body = await r.json()

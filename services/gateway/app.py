@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from kvmesh.gateway.dispatcher import Dispatcher
 from kvmesh.gateway.metrics import GatewayMetrics
 from kvmesh.gateway.openai_api import ApiError
 from kvmesh.gateway.router import Router
+from kvmesh.gateway.sse import STREAM_OPEN
 from kvmesh.gateway.worker_client import WorkerClients
 from kvmesh.hashing import HashContext
 from kvmesh.telemetry import tracing_middleware
@@ -82,14 +82,13 @@ async def errors_and_auth(request: web.Request, handler):
         # aiohttp's own 404/405 etc., in OpenAI's shape
         err = ApiError(e.status, e.reason or "error", type="invalid_request_error")
         return error_response(err)
-
-
-async def read_json(request: web.Request) -> Any:
-    raw = await request.read()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+    except Exception as e:
+        if request.get(STREAM_OPEN):  # the status is sent already: aiohttp ends the stream
+            raise
+        log.exception("unexpected error serving %s", request.path)
+        gw.metrics.lab(gw.metrics.request_errors, status="500").inc()
+        return error_response(ApiError(500, f"internal error ({type(e).__name__}); the request was not served",
+                                       type="internal_server_error"))
 
 
 async def _health_loop(gw: Gateway) -> None:

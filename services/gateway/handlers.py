@@ -12,7 +12,8 @@ from aiohttp import web
 
 from kvmesh.gateway import responses as R
 from kvmesh.gateway import sse
-from kvmesh.gateway.app import GATEWAY, Gateway, read_json
+from kvmesh.gateway.app import GATEWAY, Gateway
+from kvmesh.gateway.json_body import read_json
 from kvmesh.gateway.dispatcher import merge, new_request_id
 from kvmesh.gateway.openai_api import (ApiError, CommonRequest, parse_chat, parse_completion,
                                        parse_detokenize, parse_tokenize)

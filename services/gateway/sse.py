@@ -6,6 +6,7 @@ import json
 from aiohttp import web
 
 DONE = b"data: [DONE]\n\n"
+STREAM_OPEN = "kvmesh.stream_open"  # a request's key once its event stream is prepared (its status sent)
 
 
 def event(obj: dict) -> bytes:
@@ -33,4 +34,5 @@ async def open_stream(request: web.Request) -> web.StreamResponse:
         "X-Accel-Buffering": "no",  # proxies must not buffer token streams
     })
     await resp.prepare(request)
+    request[STREAM_OPEN] = True
     return resp
