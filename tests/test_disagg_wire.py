@@ -88,7 +88,8 @@ def test_sampling_params_round_trip():
             ignore_eos=rng.random() < 0.5, presence_penalty=rng.choice([0.0, 0.5]),
             frequency_penalty=rng.choice([0.0, -0.5]), repetition_penalty=rng.choice([1.0, 1.25]),
             logprobs=rng.choice([None, 0, 5]), prompt_logprobs=rng.choice([None, 0, 3]),
-            include_stop_str_in_output=rng.random() < 0.5)
+            include_stop_str_in_output=rng.random() < 0.5,
+            logit_bias=rng.choice([None, {5: 2.5, 90: -100.0}]))
         wire = pb.SamplingParams.FromString(convert.sampling_to_proto(p).SerializeToString())
         assert convert.sampling_from_proto(wire) == p
 

@@ -134,6 +134,11 @@ async def test_tokenize_detokenize_roundtrip(client, model_facts):
     ("/v1/completions", {"model": "smollm2", "prompt": "hi", "min_tokens": 9, "max_tokens": 2}, 400, "min_tokens"),
     ("/v1/completions", {"model": "smollm2", "prompt": ["a"] * 20, "n": 20}, 400, "prompt"),
     ("/detokenize", {"tokens": [1, -2]}, 400, "tokens"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "x", "logit_bias": {"-5": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "x", "logit_bias": {"5": "high"}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "x", "logit_bias": [5, 1]}, 400, "logit_bias"),
 ])
 async def test_bad_input_gets_openai_shaped_4xx(client, path, body, status, param):
     r = await client.post(path, json=body)

@@ -256,6 +256,20 @@ async def test_stop_and_penalties_reach_the_worker(stack):
     assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
 
 
+async def test_logit_bias_reaches_the_worker(stack):
+    # +100 on one token makes greedy output that token; a token outside the vocabulary is the worker's 400
+    client = stack["client"]
+    forced = stack["reference"].get_tokenizer().encode(" banana", add_special_tokens=False)[0]
+    r = await client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=3,
+                                        temperature=0, logit_bias={str(forced): 100})
+    ref = stack["reference"].generate(["The capital of France is"], SamplingParams(
+        temperature=0.0, max_tokens=3, logit_bias={forced: 100.0}))[0].outputs[0]
+    assert ref.token_ids == [forced] * 3 and r.choices[0].text == ref.text
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.completions.create(model="smollm2", prompt="x", max_tokens=2, logit_bias={"10000000": 5})
+    assert "logit_bias" in str(e.value)
+
+
 async def test_bad_input_through_openai_client(stack):
     client = stack["client"]
     with pytest.raises(openai.NotFoundError):

@@ -24,7 +24,8 @@ def _row(**kw) -> SampleRow:
     ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
     ("max_tokens", 0), ("min_tokens", -1), ("n", 0), ("presence_penalty", 3.0),
     ("frequency_penalty", -2.5), ("repetition_penalty", 0.0), ("logprobs", 21), ("prompt_logprobs", -1),
-    ("stop", [""]), ("stop_token_ids", [-3]),
+    ("stop", [""]), ("stop_token_ids", [-3]), ("logit_bias", {3: 101.0}), ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {"3": 1.0}),
 ])
 def test_validate_names_the_field(field, value):
     with pytest.raises(ValueError, match=rf"^{field} "):
@@ -146,6 +147,24 @@ def test_penalty_changes_greedy_choice_and_ban_masks():
     assert s(logits, [_row(temperature=0.0)]).token_ids == [7]
     assert s(logits, [_row(temperature=0.0, frequency_penalty=0.2, out=[7])]).token_ids == [8]
     assert s(logits, [_row(temperature=0.0, banned=(7,))]).token_ids == [8]
+
+
+def test_logit_bias_adds_to_the_logits_it_names():
+    torch.manual_seed(3)
+    logits = torch.randn(2, V)
+    before = logits.clone()
+    s = Sampler(0, torch.device("cpu"))
+    top = int(logits[0].argmax())
+    forced = (top + 5) % V
+    assert s(logits, [_row(temperature=0.0, logit_bias={forced: 100.0})] * 2).token_ids[0] == forced
+    banned = s(logits[:1], [_row(temperature=0.0, logit_bias={top: -100.0})]).token_ids[0]
+    assert banned == int(logits[0].clone().index_fill_(0, torch.tensor([top]), -1e9).argmax())
+    # sampled rows draw from softmax(logits + bias): a +100 token takes all the mass
+    g = torch.Generator().manual_seed(2)
+    drawn = [s(logits[:1], [_row(temperature=1.0, logit_bias={forced: 100.0}, generator=g, out=[0] * i)]).token_ids[0]
+             for i in range(20)]
+    assert drawn == [forced] * 20
+    assert torch.equal(logits, before)  # the caller's logits are not changed
 
 
 def test_mixed_batch_rows_are_independent():

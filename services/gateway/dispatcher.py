@@ -64,6 +64,8 @@ def sampling_pb(s: Sampling, *, seed: Optional[int], max_tokens: int) -> pb.Samp
         msg.logprobs = s.logprobs
     if s.prompt_logprobs is not None:
         msg.prompt_logprobs = s.prompt_logprobs
+    if s.logit_bias:
+        msg.logit_bias.update(dict(s.logit_bias))
     return msg
 
 

@@ -56,6 +56,8 @@ class Sampling:
     prompt_logprobs: Optional[int] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias in [-100, 100]) pairs, as OpenAI's {"<id>": bias}."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,22 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(v)
 
 
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    v = body.get("logit_bias")
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise bad("logit_bias", "logit_bias must be an object mapping token ids to biases")
+    out = []
+    for k, b in v.items():
+        if not (isinstance(k, str) and k.isascii() and k.isdigit()):
+            raise bad("logit_bias", f"logit_bias keys must be token ids (decimal strings), got {k!r}")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100.0 <= b <= 100.0:
+            raise bad("logit_bias", f"logit_bias[{k!r}] must be a number in [-100, 100], got {b!r}")
+        out.append((int(k), float(b)))
+    return tuple(out)
+
+
 def _int_list(body: dict, name: str) -> tuple[int, ...]:
     v = body.get(name)
     if v is None:
@@ -196,6 +214,7 @@ def _common(body: dict, *, max_tokens: Optional[int], logprobs: Optional[int],
         prompt_logprobs=prompt_logprobs,
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        logit_bias=_logit_bias(body),
     )
     return CommonRequest(model=model, n=_int(body, "n", 1, lo=1, hi=MAX_N), stream=stream,
                          include_usage=include_usage, cache_salt=_str(body, "cache_salt", ""),

@@ -73,6 +73,9 @@ class LLMEngine:
         bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < V), None)
         if bad is not None:
             raise ValueError(f"prompt_token_ids: token {bad!r} is outside the vocabulary [0, {V})")
+        bad = next((t for t in params.logit_bias or () if t >= V), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token {bad} is outside the vocabulary [0, {V})")
         P, M = len(prompt), self.max_model_len
         if P >= M:
             raise ValueError(f"prompt_token_ids: the prompt has {P} tokens; --max-model-len {M} leaves "

@@ -1,7 +1,7 @@
 """Turns one step's logits into tokens, per-row sampling settings, batched where rows agree.
 
-Order (as vLLM): logprobs are taken from the raw logits; then penalties, min_tokens masking,
-temperature, top_k, top_p, min_p; greedy rows take the argmax of the penalized logits.
+Order (as vLLM): logprobs are taken from the raw logits; then logit bias, penalties, min_tokens
+masking, temperature, top_k, top_p, min_p; greedy rows take the argmax of the penalized logits.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class SampleResult:
 
 def _needs_processing(r: SampleRow) -> bool:
     p = r.params
-    return bool(p.needs_penalties or r.banned_token_ids or p.logprobs is not None)
+    return bool(p.needs_penalties or r.banned_token_ids or p.logprobs is not None or p.logit_bias)
 
 
 def apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
@@ -128,6 +128,10 @@ class Sampler:
         logits = logits.clone() if logits.dtype == torch.float32 else logits.float()  # ours to change
         raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None  # [N, V]
         for i, r in enumerate(rows):
+            if r.params.logit_bias:
+                ids = torch.tensor(list(r.params.logit_bias), dtype=torch.long, device=logits.device)
+                logits[i, ids] += torch.tensor(list(r.params.logit_bias.values()), dtype=logits.dtype,
+                                               device=logits.device)
             if r.params.needs_penalties:
                 apply_penalties(logits[i], r)
             if r.banned_token_ids:

@@ -32,6 +32,8 @@ class SamplingParams:
     """Top log-probabilities per prompt token; forces recomputing the whole prompt."""
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: Optional[dict[int, float]] = None
+    """Added to the logits of these token ids before penalties and sampling, each in [-100, 100]."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,6 +82,10 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (
                 not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20):
             bad("prompt_logprobs", "in [0, 20]")
+        if self.logit_bias is not None and not (isinstance(self.logit_bias, dict) and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 and isinstance(b, (int, float))
+                and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items())):
+            bad("logit_bias", "a map of token ids >= 0 to biases in [-100, 100]")
 
     @property
     def needs_penalties(self) -> bool:

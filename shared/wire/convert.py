@@ -54,6 +54,8 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         m.logprobs = p.logprobs
     if p.prompt_logprobs is not None:
         m.prompt_logprobs = p.prompt_logprobs
+    if p.logit_bias:
+        m.logit_bias.update(p.logit_bias)
     return m
 
 
@@ -68,7 +70,8 @@ def sampling_from_proto(m: pb.SamplingParams) -> SamplingParams:
         frequency_penalty=m.frequency_penalty, repetition_penalty=m.repetition_penalty or 1.0,
         logprobs=m.logprobs if m.HasField("logprobs") else None,
         prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
-        include_stop_str_in_output=m.include_stop_str_in_output)
+        include_stop_str_in_output=m.include_stop_str_in_output,
+        logit_bias=dict(m.logit_bias) or None)
     p.validate()
     return p
 

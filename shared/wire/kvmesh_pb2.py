@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ckvmesh.proto\x12\tkvmesh.v1\"l\n\x0b\x42lockHeader\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\r\n\x05\x63rc32\x18\x03 \x01(\r\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x11\n\ttoken_ids\x18\x05 \x03(\x05\x12\x0f\n\x07missing\x18\x06 \x01(\x08\"B\n\nBlockChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x16.kvmesh.v1.BlockHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"B\n\x08PutReply\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x14\n\x0c\x61lready_held\x18\x02 \x01(\r\x12\x10\n\x08rejected\x18\x03 \x01(\r\"I\n\nGetRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\x12\x14\n\x0clease_holder\x18\x02 \x01(\t\x12\x15\n\rlease_seconds\x18\x03 \x01(\x02\"!\n\x0f\x43ontainsRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\" \n\rContainsReply\x12\x0f\n\x07present\x18\x01 \x03(\x08\"6\n\x0eReleaseRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\x12\x14\n\x0clease_holder\x18\x02 \x01(\t\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xb9\x02\n\nStatsReply\x12\x13\n\x0b\x62locks_held\x18\x01 \x01(\x04\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x02 \x01(\x04\x12\x16\n\x0e\x62locks_evicted\x18\x03 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x04 \x01(\x04\x12\x11\n\tbytes_out\x18\x05 \x01(\x04\x12\x18\n\x10host_tier_blocks\x18\x06 \x01(\x04\x12!\n\x19host_tier_capacity_blocks\x18\x07 \x01(\x04\x12\x16\n\x0e\x62locks_demoted\x18\x08 \x01(\x04\x12\x17\n\x0f\x62locks_promoted\x18\t \x01(\x04\x12\x17\n\x0f\x62locks_rejected\x18\n \x01(\x04\x12\x15\n\rblocks_leased\x18\x0b \x01(\x04\x12\x12\n\nslot_bytes\x18\x0c \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\r \x01(\t\"\x9b\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x12\n\nmin_tokens\x18\x07 \x01(\x05\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\x02\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x1a\n\x12repetition_penalty\x18\x10 \x01(\x02\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"&\n\x08\x42lockRef\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x0c\n\x04node\x18\x02 \x01(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.kvmesh.v1.TopLogprob\"9\n\x06TailKV\x12\x12\n\nnum_tokens\x18\x01 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\xc6\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12*\n\rcached_blocks\x18\x06 \x03(\x0b\x32\x13.kvmesh.v1.BlockRef\"\x91\x02\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12.\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12#\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x13.kvmesh.v1.BlockRef\x12\x1f\n\x04tail\x18\x04 \x01(\x0b\x32\x11.kvmesh.v1.TailKV\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x30\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12\x12\n\nfirst_text\x18\x07 \x01(\t\x12\x15\n\rfinish_reason\x18\x08 \x01(\t\"\r\n\x0bLoadRequest\"V\n\tLoadReply\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\x12\x0f\n\x07pending\x18\x04 \x01(\r\"\xec\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12*\n\tprefilled\x18\x05 \x01(\x0b\x32\x17.kvmesh.v1.PrefillReply\x12\x12\n\ndo_prefill\x18\x06 \x01(\x08\x12*\n\rcached_blocks\x18\x07 \x03(\x0b\x32\x13.kvmesh.v1.BlockRef\"\xda\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\x12\x30\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob2\xaf\x02\n\x07KVStore\x12\x33\n\x03Put\x12\x15.kvmesh.v1.BlockChunk\x1a\x13.kvmesh.v1.PutReply(\x01\x12\x35\n\x03Get\x12\x15.kvmesh.v1.GetRequest\x1a\x15.kvmesh.v1.BlockChunk0\x01\x12@\n\x08\x43ontains\x12\x1a.kvmesh.v1.ContainsRequest\x1a\x18.kvmesh.v1.ContainsReply\x12=\n\x07Release\x12\x19.kvmesh.v1.ReleaseRequest\x1a\x17.kvmesh.v1.ReleaseReply\x12\x37\n\x05Stats\x12\x17.kvmesh.v1.StatsRequest\x1a\x15.kvmesh.v1.StatsReply2~\n\x07Prefill\x12=\n\x07Prefill\x12\x19.kvmesh.v1.PrefillRequest\x1a\x17.kvmesh.v1.PrefillReply\x12\x34\n\x04Load\x12\x16.kvmesh.v1.LoadRequest\x1a\x14.kvmesh.v1.LoadReply2\x82\x01\n\x06\x44\x65\x63ode\x12\x42\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x18.kvmesh.v1.GenerateChunk0\x01\x12\x34\n\x04Load\x12\x16.kvmesh.v1.LoadRequest\x1a\x14.kvmesh.v1.LoadReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ckvmesh.proto\x12\tkvmesh.v1\"l\n\x0b\x42lockHeader\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\r\n\x05\x63rc32\x18\x03 \x01(\r\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x11\n\ttoken_ids\x18\x05 \x03(\x05\x12\x0f\n\x07missing\x18\x06 \x01(\x08\"B\n\nBlockChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x16.kvmesh.v1.BlockHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"B\n\x08PutReply\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x14\n\x0c\x61lready_held\x18\x02 \x01(\r\x12\x10\n\x08rejected\x18\x03 \x01(\r\"I\n\nGetRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\x12\x14\n\x0clease_holder\x18\x02 \x01(\t\x12\x15\n\rlease_seconds\x18\x03 \x01(\x02\"!\n\x0f\x43ontainsRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\" \n\rContainsReply\x12\x0f\n\x07present\x18\x01 \x03(\x08\"6\n\x0eReleaseRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\x12\x14\n\x0clease_holder\x18\x02 \x01(\t\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xb9\x02\n\nStatsReply\x12\x13\n\x0b\x62locks_held\x18\x01 \x01(\x04\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x02 \x01(\x04\x12\x16\n\x0e\x62locks_evicted\x18\x03 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x04 \x01(\x04\x12\x11\n\tbytes_out\x18\x05 \x01(\x04\x12\x18\n\x10host_tier_blocks\x18\x06 \x01(\x04\x12!\n\x19host_tier_capacity_blocks\x18\x07 \x01(\x04\x12\x16\n\x0e\x62locks_demoted\x18\x08 \x01(\x04\x12\x17\n\x0f\x62locks_promoted\x18\t \x01(\x04\x12\x17\n\x0f\x62locks_rejected\x18\n \x01(\x04\x12\x15\n\rblocks_leased\x18\x0b \x01(\x04\x12\x12\n\nslot_bytes\x18\x0c \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\r \x01(\t\"\x8b\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x12\n\nmin_tokens\x18\x07 \x01(\x05\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\x02\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x1a\n\x12repetition_penalty\x18\x10 \x01(\x02\x12<\n\nlogit_bias\x18\x11 \x03(\x0b\x32(.kvmesh.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"&\n\x08\x42lockRef\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x0c\n\x04node\x18\x02 \x01(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.kvmesh.v1.TopLogprob\"9\n\x06TailKV\x12\x12\n\nnum_tokens\x18\x01 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\xc6\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12*\n\rcached_blocks\x18\x06 \x03(\x0b\x32\x13.kvmesh.v1.BlockRef\"\x91\x02\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12.\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12#\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x13.kvmesh.v1.BlockRef\x12\x1f\n\x04tail\x18\x04 \x01(\x0b\x32\x11.kvmesh.v1.TailKV\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x30\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12\x12\n\nfirst_text\x18\x07 \x01(\t\x12\x15\n\rfinish_reason\x18\x08 \x01(\t\"\r\n\x0bLoadRequest\"V\n\tLoadReply\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\x12\x0f\n\x07pending\x18\x04 \x01(\r\"\xec\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12*\n\tprefilled\x18\x05 \x01(\x0b\x32\x17.kvmesh.v1.PrefillReply\x12\x12\n\ndo_prefill\x18\x06 \x01(\x08\x12*\n\rcached_blocks\x18\x07 \x03(\x0b\x32\x13.kvmesh.v1.BlockRef\"\xda\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\x12\x30\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob2\xaf\x02\n\x07KVStore\x12\x33\n\x03Put\x12\x15.kvmesh.v1.BlockChunk\x1a\x13.kvmesh.v1.PutReply(\x01\x12\x35\n\x03Get\x12\x15.kvmesh.v1.GetRequest\x1a\x15.kvmesh.v1.BlockChunk0\x01\x12@\n\x08\x43ontains\x12\x1a.kvmesh.v1.ContainsRequest\x1a\x18.kvmesh.v1.ContainsReply\x12=\n\x07Release\x12\x19.kvmesh.v1.ReleaseRequest\x1a\x17.kvmesh.v1.ReleaseReply\x12\x37\n\x05Stats\x12\x17.kvmesh.v1.StatsRequest\x1a\x15.kvmesh.v1.StatsReply2~\n\x07Prefill\x12=\n\x07Prefill\x12\x19.kvmesh.v1.PrefillRequest\x1a\x17.kvmesh.v1.PrefillReply\x12\x34\n\x04Load\x12\x16.kvmesh.v1.LoadRequest\x1a\x14.kvmesh.v1.LoadReply2\x82\x01\n\x06\x44\x65\x63ode\x12\x42\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x18.kvmesh.v1.GenerateChunk0\x01\x12\x34\n\x04Load\x12\x16.kvmesh.v1.LoadRequest\x1a\x14.kvmesh.v1.LoadReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_BLOCKHEADER']._serialized_start=27
   _globals['_BLOCKHEADER']._serialized_end=135
   _globals['_BLOCKCHUNK']._serialized_start=137
@@ -52,31 +54,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSREPLY']._serialized_start=524
   _globals['_STATSREPLY']._serialized_end=837
   _globals['_SAMPLINGPARAMS']._serialized_start=840
-  _globals['_SAMPLINGPARAMS']._serialized_end=1251
-  _globals['_BLOCKREF']._serialized_start=1253
-  _globals['_BLOCKREF']._serialized_end=1291
-  _globals['_TOPLOGPROB']._serialized_start=1293
-  _globals['_TOPLOGPROB']._serialized_end=1340
-  _globals['_TOKENLOGPROB']._serialized_start=1342
-  _globals['_TOKENLOGPROB']._serialized_end=1427
-  _globals['_TAILKV']._serialized_start=1429
-  _globals['_TAILKV']._serialized_end=1486
-  _globals['_PREFILLREQUEST']._serialized_start=1489
-  _globals['_PREFILLREQUEST']._serialized_end=1687
-  _globals['_PREFILLREPLY']._serialized_start=1690
-  _globals['_PREFILLREPLY']._serialized_end=1963
-  _globals['_LOADREQUEST']._serialized_start=1965
-  _globals['_LOADREQUEST']._serialized_end=1978
-  _globals['_LOADREPLY']._serialized_start=1980
-  _globals['_LOADREPLY']._serialized_end=2066
-  _globals['_GENERATEREQUEST']._serialized_start=2069
-  _globals['_GENERATEREQUEST']._serialized_end=2305
-  _globals['_GENERATECHUNK']._serialized_start=2308
-  _globals['_GENERATECHUNK']._serialized_end=2526
-  _globals['_KVSTORE']._serialized_start=2529
-  _globals['_KVSTORE']._serialized_end=2832
-  _globals['_PREFILL']._serialized_start=2834
-  _globals['_PREFILL']._serialized_end=2960
-  _globals['_DECODE']._serialized_start=2963
-  _globals['_DECODE']._serialized_end=3093
+  _globals['_SAMPLINGPARAMS']._serialized_end=1363
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1273
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1321
+  _globals['_BLOCKREF']._serialized_start=1365
+  _globals['_BLOCKREF']._serialized_end=1403
+  _globals['_TOPLOGPROB']._serialized_start=1405
+  _globals['_TOPLOGPROB']._serialized_end=1452
+  _globals['_TOKENLOGPROB']._serialized_start=1454
+  _globals['_TOKENLOGPROB']._serialized_end=1539
+  _globals['_TAILKV']._serialized_start=1541
+  _globals['_TAILKV']._serialized_end=1598
+  _globals['_PREFILLREQUEST']._serialized_start=1601
+  _globals['_PREFILLREQUEST']._serialized_end=1799
+  _globals['_PREFILLREPLY']._serialized_start=1802
+  _globals['_PREFILLREPLY']._serialized_end=2075
+  _globals['_LOADREQUEST']._serialized_start=2077
+  _globals['_LOADREQUEST']._serialized_end=2090
+  _globals['_LOADREPLY']._serialized_start=2092
+  _globals['_LOADREPLY']._serialized_end=2178
+  _globals['_GENERATEREQUEST']._serialized_start=2181
+  _globals['_GENERATEREQUEST']._serialized_end=2417
+  _globals['_GENERATECHUNK']._serialized_start=2420
+  _globals['_GENERATECHUNK']._serialized_end=2638
+  _globals['_KVSTORE']._serialized_start=2641
+  _globals['_KVSTORE']._serialized_end=2944
+  _globals['_PREFILL']._serialized_start=2946
+  _globals['_PREFILL']._serialized_end=3072
+  _globals['_DECODE']._serialized_start=3075
+  _globals['_DECODE']._serialized_end=3205
 # @@protoc_insertion_point(module_scope)
