@@ -139,11 +139,28 @@ async def test_tokenize_detokenize_roundtrip(client, model_facts):
     ("/v1/completions", {"model": "smollm2", "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("/v1/completions", {"model": "smollm2", "prompt": "x", "logit_bias": {"5": "high"}}, 400, "logit_bias"),
     ("/v1/completions", {"model": "smollm2", "prompt": "x", "logit_bias": [5, 1]}, 400, "logit_bias"),
+    # refused, not silently ignored: no tool-call parser, no guided decoding
+    ("/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
+                              "tool_choice": "required"}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json"),
 ])
 async def test_bad_input_gets_openai_shaped_4xx(client, path, body, status, param):
     r = await client.post(path, json=body)
     assert r.status == status, await r.text()
     assert_error(await r.json(), param)
+
+
+def test_what_is_not_refused_of_tools_and_formats():
+    from kvmesh.gateway.openai_api import parse_chat
+    base = {"model": "smollm2", "messages": [{"role": "user", "content": "x"}]}
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for extra in ({"tools": tools, "tool_choice": "none"}, {"tools": []}, {"tool_choice": "auto"},
+                  {"response_format": {"type": "text"}}, {"guided_json": None}):
+        assert parse_chat({**base, **extra}).messages[0]["content"] == "x"
 
 
 async def test_malformed_json_and_non_object(client):

@@ -1,7 +1,8 @@
 """OpenAI request models: parse and validate JSON bodies into frozen dataclasses, errors in OpenAI's shape.
 
 Bad input always becomes an `ApiError` with a 4xx status naming the offending field (`param`);
-nothing here raises anything else on client data. Unknown fields are ignored, as vLLM does.
+nothing here raises anything else on client data. Unknown fields are ignored, as vLLM does; known
+ones whose meaning this server cannot honour (tool calls, JSON or guided output) are refused.
 """
 from __future__ import annotations
 
@@ -181,6 +182,7 @@ def _common(body: dict, *, max_tokens: Optional[int], logprobs: Optional[int],
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model", "model is required and must be a string")
+    _no_guided_output(body)
     stream = _bool(body, "stream", False)
     opts = body.get("stream_options")
     include_usage = False
@@ -238,9 +240,38 @@ def _content_text(content: Any, i: int) -> str:
     raise bad(param, f"{param} must be a string or a list of text parts")
 
 
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")  # vLLM's
+
+
+def _no_guided_output(body: dict) -> None:
+    """Constrained output this server cannot produce (no guided decoding) is refused, not ignored:
+    response_format other than text, and vLLM's guided_* / structured_outputs."""
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise bad("response_format", f"response_format {kind!r} is not supported by this server (no guided "
+                                     "decoding); only {\"type\": \"text\"}")
+    for name in GUIDED:
+        if body.get(name) is not None:
+            raise bad(name, f"{name} is not supported by this server (no guided decoding)")
+
+
+def _no_tools(body: dict) -> None:
+    """Tool calls are refused, not ignored (no tool-call parser); tool_choice "none" says to run without
+    the tools."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if choice not in (None, "none") and (choice != "auto" or tools):
+        raise bad("tool_choice", "tool calling is not supported by this server (no tool-call parser); "
+                                 "omit tools or send tool_choice: \"none\"")
+    if tools and choice is None:
+        raise bad("tools", "tool calling is not supported by this server (no tool-call parser); "
+                           "omit tools or send tool_choice: \"none\" to run without them")
+
+
 def parse_chat(body: Any) -> ChatRequest:
     if not isinstance(body, dict):
         raise bad(None, "request body must be a JSON object")
+    _no_tools(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "messages must be a non-empty list")
