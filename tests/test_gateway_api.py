@@ -139,6 +139,12 @@ async def test_tokenize_detokenize_roundtrip(client, model_facts):
     ("/v1/completions", {"model": "smollm2", "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("/v1/completions", {"model": "smollm2", "prompt": "x", "logit_bias": {"5": "high"}}, 400, "logit_bias"),
     ("/v1/completions", {"model": "smollm2", "prompt": "x", "logit_bias": [5, 1]}, 400, "logit_bias"),
+    # past int32 (the wire's integers): were 500s from protobuf's range check
+    ("/v1/completions", {"model": "smollm2", "prompt": "x", "logit_bias": {"99999999999": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "x", "stop_token_ids": [2**40]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"model": "smollm2", "prompt": [2**40]}, 400, "prompt"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "x", "top_k": 2**40}, 400, "top_k"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "x", "min_tokens": 2**40}, 400, "min_tokens"),
     # refused, not silently ignored: no tool-call parser, no guided decoding
     ("/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),

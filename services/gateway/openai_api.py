@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 MAX_N = 128
+INT32_MAX = 2**31 - 1  # the wire's integer fields and token ids are int32: larger is the client's 400
 MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -107,7 +108,7 @@ def _num(body: dict, name: str, default: Optional[float], lo: float | None = Non
 
 
 def _int(body: dict, name: str, default: Optional[int], lo: int | None = None,
-         hi: int | None = None) -> Optional[int]:
+         hi: int = INT32_MAX) -> Optional[int]:
     v = body.get(name)
     if v is None:
         return default
@@ -115,7 +116,7 @@ def _int(body: dict, name: str, default: Optional[int], lo: int | None = None,
         raise bad(name, f"{name} must be an integer, got {type(v).__name__}")
     if lo is not None and v < lo:
         raise bad(name, f"{name} must be >= {lo}, got {v}")
-    if hi is not None and v > hi:
+    if v > hi:
         raise bad(name, f"{name} must be <= {hi}, got {v}")
     return v
 
@@ -159,7 +160,7 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
         raise bad("logit_bias", "logit_bias must be an object mapping token ids to biases")
     out = []
     for k, b in v.items():
-        if not (isinstance(k, str) and k.isascii() and k.isdigit()):
+        if not (isinstance(k, str) and k.isascii() and k.isdigit() and int(k) <= INT32_MAX):
             raise bad("logit_bias", f"logit_bias keys must be token ids (decimal strings), got {k!r}")
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100.0 <= b <= 100.0:
             raise bad("logit_bias", f"logit_bias[{k!r}] must be a number in [-100, 100], got {b!r}")
@@ -171,10 +172,13 @@ def _int_list(body: dict, name: str) -> tuple[int, ...]:
     v = body.get(name)
     if v is None:
         return ()
-    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                          for t in v):
-        raise bad(name, f"{name} must be a list of non-negative integers")
+    if not isinstance(v, list) or not all(_token_id(t) for t in v):
+        raise bad(name, f"{name} must be a list of token ids (integers in [0, {INT32_MAX}])")
     return tuple(v)
+
+
+def _token_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX
 
 
 def _common(body: dict, *, max_tokens: Optional[int], logprobs: Optional[int],
@@ -302,8 +306,8 @@ def parse_chat(body: Any) -> ChatRequest:
 def _prompts(v: Any) -> tuple:
     """prompt: str | list[str] | list[int] | list[list[int]] -> tuple of str or tuple[int, ...]."""
     def ids(x: list, param: str) -> tuple[int, ...]:
-        if not x or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in x):
-            raise bad(param, f"{param} must be a non-empty list of non-negative token ids")
+        if not x or not all(_token_id(t) for t in x):
+            raise bad(param, f"{param} must be a non-empty list of token ids (integers in [0, {INT32_MAX}])")
         return tuple(x)
 
     if isinstance(v, str):
