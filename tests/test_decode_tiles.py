@@ -9,7 +9,7 @@ import pytest
 
 from kvmesh.kernels.decode_tiles import TILES, lo_rows_launch
 from kvmesh.kernels.formats import FMT_BF16
-from kvmesh.kernels.splits import num_splits
+from kvmesh.kernels.splits import Residency, num_splits, slot_cost
 
 SMS, KVH, BLOCK_N = 132, 8, 128
 
@@ -43,3 +43,30 @@ def test_deep_launch_fills_at_most_one_wave():
                 assert batch * KVH * s <= SMS
             elif not args["LO_ROWS"]:
                 assert s == splits
+
+
+def test_a_variant_that_does_not_fit_the_gpu_is_passed_over():
+    # a GPU with ~100 KB of shared memory an SM: the 5-stage variant (140 KB) does not load (0 programs)
+    def small_gpu(args: dict) -> int:
+        return 0 if args["num_stages"] == 5 else resident(args)
+
+    for batch, ctx, want in [(16, 16384, "two dots"), (256, 1024, "lo rows")]:
+        base = dict(LO_ROWS=False, num_stages=3)
+        splits = num_splits(batch, KVH, ctx + 1, SMS, 2, BLOCK_N)
+        args, s = lo_rows_launch(base, splits, 5, batch, KVH, ctx + 1, SMS, BLOCK_N, small_gpu)
+        assert args["num_stages"] == 3 and ("lo rows" if args["LO_ROWS"] else "two dots") == want
+        assert not args["LO_ROWS"] or s == 1
+
+
+def test_residency_of_a_variant_that_does_not_load_is_zero():
+    import torch
+    from triton.runtime.errors import OutOfResources
+
+    class TooBig:
+        def _init_handles(self):
+            raise OutOfResources(143360, 101376, "shared memory")
+
+    # the probe runs for CUDA devices only; it fails before it reads the device's properties
+    assert Residency().get(("deep",), torch.device("cuda"), TooBig) == 0
+    # and the register-cap choice of the direct kernels never takes such a variant
+    assert slot_cost(64, 8, 4096, SMS, 0, 3) == float("inf") > slot_cost(64, 8, 4096, SMS, 12, 3)

@@ -50,13 +50,15 @@ def lo_rows_launch(args: dict, splits: int, deep_stages: int, batch: int, kv_hea
        pipeline each takes): 16 x 16,384 0.961 -> 0.981x SDPA, 8 x 32,768 0.971 -> 0.993x;
     2. else where the lo-rows kernel needs no split: 256 x 1,024 0.941 -> 0.950x;
     3. else the two dots: at 64 x 4,096 the lo-rows kernel would split 3 ways (0.938x against 0.965x),
-       and unsplit on 3 programs an SM its 512 programs leave a second wave 30 % full (0.82x)."""
+       and unsplit on 3 programs an SM its 512 programs leave a second wave 30 % full (0.82x).
+    A variant that does not fit the GPU (`resident` 0: a smaller GPU's shared memory) is passed over."""
     deep = dict(args, LO_ROWS=True, num_stages=deep_stages)
     r = resident(deep)
-    s = num_splits(batch, kv_heads, context, sms, r, block_n)
-    if batch * kv_heads * s <= sms * r:
+    s = num_splits(batch, kv_heads, context, sms, max(1, r), block_n)
+    if r and batch * kv_heads * s <= sms * r:
         return deep, s
     lo = dict(args, LO_ROWS=True)
-    if num_splits(batch, kv_heads, context, sms, resident(lo), block_n) == 1:
+    r = resident(lo)
+    if r and num_splits(batch, kv_heads, context, sms, r, block_n) == 1:
         return lo, 1
     return args, splits

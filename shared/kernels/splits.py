@@ -4,6 +4,7 @@ time = waves x one program, and a last wave a third full costs a third of the ti
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -45,7 +46,10 @@ def resident_programs(n_regs: int, shared: int, num_warps: int, smem_per_sm: int
 
 def slot_cost(batch: int, kv_heads: int, max_context: int, num_sms: int, resident: int, splits: int) -> float:
     """Time of a decode launch bound by instruction issue (register-direct INT4), in token-times of
-    one program alone: its waves, each as long as `resident` programs sharing an SM take."""
+    one program alone: its waves, each as long as `resident` programs sharing an SM take (a variant
+    that does not fit the GPU, `resident` 0, never wins)."""
+    if resident <= 0:
+        return math.inf
     waves = -(-batch * kv_heads * splits // max(1, num_sms * resident))
     return waves * resident * (max_context / splits + PROGRAM_COST_TOKENS)
 
@@ -58,7 +62,8 @@ def num_sms(device: torch.device) -> int:
 
 class Residency:
     """Programs per SM of each compiled decode variant, read once from its registers and shared
-    memory (a variant is compiled before its first launch anyway)."""
+    memory (a variant is compiled before its first launch anyway); 0 where it does not fit this GPU
+    at all (more shared memory than an SM has: a variant tuned on the H200, on a smaller GPU)."""
 
     def __init__(self) -> None:
         self._by_key: dict[tuple, int] = {}
@@ -67,12 +72,15 @@ class Residency:
         if key not in self._by_key:
             n = RESIDENT_DEFAULT
             if device.type == "cuda":
+                from triton.runtime.errors import OutOfResources
                 try:
                     kernel = compile_variant()
                     kernel._init_handles()
                     props = torch.cuda.get_device_properties(device)
                     n = resident_programs(kernel.n_regs, kernel.metadata.shared, kernel.metadata.num_warps,
                                           props.shared_memory_per_multiprocessor)
+                except OutOfResources:
+                    n = 0
                 except Exception as e:  # an unknown Triton version: keep the default, say so once
                     logging.getLogger(__name__).warning("decode residency probe failed (%s: %s); assuming %d "
                                                         "programs per SM", type(e).__name__, e, n)
