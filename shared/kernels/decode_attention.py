@@ -45,6 +45,7 @@ from kvmesh.kernels.splits import launch_split, num_sms, num_splits, resident_of
 from kvmesh.kernels.splits import resident_programs  # noqa: F401 (re-exported for callers)
 from kvmesh.kernels.paged_attention import (LOG2E, _cast_out, _check, _dot, _dot_dtype, _load_page_tile,
                                             _softmax_step, _unit)
+from kvmesh.kv.layout import BlockLayout
 from kvmesh.kv.pool import KVCache
 
 
@@ -274,6 +275,49 @@ def _split_step(acc_e, acc_o, m_i, l_i, s, ks, ve, vo, vs, valid, qk_scale, DOT:
     return acc_e, acc_o, m_new, l_i
 
 
+def plain_constexprs(L: BlockLayout, G: int, dot: tl.dtype, *, block_n: int | None = None,
+                     num_stages: int | None = None, block_h: int | None = None, native_cvt: bool | None = None,
+                     split_codes: int | None = None, heads_first: bool | None = None,
+                     tail_early: bool | None = None, lo_rows: bool | None = None, maxnreg: int | None = None,
+                     num_warps: int = 4) -> tuple[dict, bool, bool]:
+    """(the plain kernel's constexprs and launch options, whether the tile is the format's own, whether
+    the shape is Llama's: head_dim 128, 16 query rows) for pages of layout `L`, G query heads a KV head
+    and dot inputs `dot`, as `decode_attention` launches it (None: the format's choice in TILES, whose
+    register cap and early tail loads hold at Llama's shape only). Also what `sm90_build` builds."""
+    fmt, D = FMT_CODES[L.kv_dtype], L.head_dim
+    tiles = TILES[fmt]
+    own_tile = block_n is None and num_stages is None and block_h is None
+    block_n = block_n or max(tiles.block_n, L.block_size)
+    if block_h is None:
+        block_h = triton.next_power_of_2(G) if not tiles.pad_rows else max(16, triton.next_power_of_2(G))
+    # the tile's register cap, early tail loads and heads first past one wave were measured at head_dim
+    # 128 with 16 query rows; at SmolLM2's 64 the early loads cost fp16 1-18 % (H200)
+    llama_shape = D == 128 and block_h == 16
+    if maxnreg is None and own_tile and llama_shape:
+        maxnreg = tiles.maxnreg  # (at head_dim 64 it costs residency, at 256 it spills)
+    if block_h < G:
+        raise ValueError(f"block_h must be at least the {G} query heads per KV head, got {block_h}")
+    if block_n % L.block_size:
+        raise ValueError(f"block_n must be a multiple of the block size {L.block_size}, got {block_n}")
+    native_cvt = tiles.native_cvt if native_cvt is None else native_cvt
+    tail_early = tiles.tail_early and llama_shape if tail_early is None else tail_early
+    split_codes = int(tiles.split_codes if split_codes is None else split_codes) if fmt in (
+        FMT_E4M3, FMT_E5M2, FMT_INT8) else 0
+    unit = _unit(fmt)
+    consts = dict(
+        V_OFF=L.v_data_offset // unit, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset,
+        FMT=fmt, HAS_SCALE=fmt in (FMT_E4M3, FMT_E5M2, FMT_INT8), KVH=L.kv_heads, G=G,
+        BS=L.block_size, D=D, BLOCK_H=block_h, BLOCK_N=block_n,
+        DOT=dot, NATIVE=native_cvt, SPLIT=split_codes,
+        ASM=bool(native_cvt and os.environ.get("TRITON_INTERPRET") != "1"),  # no inline PTX there
+        HEADS_FIRST=tiles.heads_first if heads_first is None else heads_first,
+        TAIL_EARLY=bool(tail_early and not split_codes),
+        LO_ROWS=bool(lo_rows) and fmt == FMT_BF16 and 2 * G <= block_h,
+        num_warps=num_warps, num_stages=tiles.num_stages if num_stages is None else num_stages,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}))
+    return consts, own_tile, llama_shape
+
+
 def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      meta: AttentionMetadata, scale: float, *, splits: int | None = None,
                      block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
@@ -328,25 +372,11 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
             raise ValueError(f"the direct decode kernel does not serve kv {L.kv_dtype}, q {q.dtype}, G={G}, "
                              f"D={D}, block size {L.block_size} here")
     tiles = TILES[fmt]
-    own_tile = block_n is None and num_stages is None and block_h is None
-    block_n = block_n or max(tiles.block_n, L.block_size)
-    if block_h is None:
-        block_h = triton.next_power_of_2(G) if not tiles.pad_rows else max(16, triton.next_power_of_2(G))
-    # the tile's register cap, early tail loads and heads first past one wave were measured at head_dim
-    # 128 with 16 query rows; at SmolLM2's 64 the early loads cost fp16 1-18 % (H200)
-    llama_shape = D == 128 and block_h == 16
-    if maxnreg is None and own_tile and llama_shape:
-        maxnreg = tiles.maxnreg  # (at head_dim 64 it costs residency, at 256 it spills)
-    if block_h < G:
-        raise ValueError(f"block_h must be at least the {G} query heads per KV head, got {block_h}")
-    if block_n % L.block_size:
-        raise ValueError(f"block_n must be a multiple of the block size {L.block_size}, got {block_n}")
-    num_stages = tiles.num_stages if num_stages is None else num_stages
-    native_cvt = tiles.native_cvt if native_cvt is None else native_cvt
-    hf = tiles.heads_first if heads_first is None else heads_first
-    tail_early = tiles.tail_early and llama_shape if tail_early is None else tail_early
-    split_codes = int(tiles.split_codes if split_codes is None else split_codes) if fmt in (
-        FMT_E4M3, FMT_E5M2, FMT_INT8) else 0
+    consts, own_tile, llama_shape = plain_constexprs(
+        L, G, _dot_dtype(fmt, q), block_n=block_n, num_stages=num_stages, block_h=block_h, native_cvt=native_cvt,
+        split_codes=split_codes, heads_first=heads_first, tail_early=tail_early, lo_rows=lo_rows, maxnreg=maxnreg,
+        num_warps=num_warps)
+    block_n, block_h = consts["BLOCK_N"], consts["BLOCK_H"]
     unit = _unit(fmt)
     out = torch.empty_like(q)
     res = cache.residual
@@ -357,15 +387,8 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
         stride_qb=q.stride(0), stride_qh=q.stride(1), stride_kb=k.stride(0), stride_vb=v.stride(0),
         stride_ob=out.stride(0), stride_oh=out.stride(1), stride_bt=meta.block_tables.stride(0),
         page_stride=L.block_bytes // unit, layer_off=layer * L.layer_bytes // unit,
-        slot_stride=res.stride(0), res_layer_off=layer * res.stride(1), qk_scale=scale * LOG2E,
-        V_OFF=L.v_data_offset // unit, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset,
-        FMT=fmt, HAS_SCALE=fmt in (FMT_E4M3, FMT_E5M2, FMT_INT8), KVH=L.kv_heads, G=G,
-        BS=L.block_size, D=D, BLOCK_H=block_h, BLOCK_N=block_n,
-        DOT=_dot_dtype(fmt, q), NATIVE=native_cvt, SPLIT=int(split_codes),
-        ASM=bool(native_cvt and os.environ.get("TRITON_INTERPRET") != "1"),  # no inline PTX there
-        HEADS_FIRST=hf and B < 65536, TAIL_EARLY=bool(tail_early and not split_codes),
-        LO_ROWS=bool(lo_rows) and fmt == FMT_BF16 and 2 * G <= block_h,
-        num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
+        slot_stride=res.stride(0), res_layer_off=layer * res.stride(1), qk_scale=scale * LOG2E, **consts)
+    args["HEADS_FIRST"] = consts["HEADS_FIRST"] and B < 65536  # grid y and z stay under 65,536
     if splits is None:
         def resident_in(a: dict) -> int:
             return programs_per_sm or resident_of("plain", decode_kernel, a, q.device)

@@ -111,28 +111,20 @@ def compile_sass(kernel, kv_dtype: str, d: int, g: int, bs: int, extra: dict, ma
 
 def compile_plain_sass(kv_dtype: str, d: int, g: int, bs: int, extra: dict, maxnreg: int | None, partial: bool,
                        bf16: bool, block_n: int | None = None, num_stages: int | None = None) -> tuple[str, dict]:
-    """The plain Triton decode kernel (`decode_attention.decode_kernel`) as `decode_attention` launches it
-    for `kv_dtype` pages at head_dim 128 and 16 query rows (its format's tile and choices from
-    `decode_tiles.TILES` unless given; `extra`: constexprs such as LO_ROWS), built for sm_90 like
-    `compile_sass`."""
-    import triton
+    """The plain Triton decode kernel with the constexprs and options `decode_attention` launches it with
+    for `kv_dtype` pages (`plain_constexprs`; its format's tile unless given; `extra`: constexprs set on
+    top, such as LO_ROWS), built for sm_90 like `compile_sass`."""
     from triton.compiler import ASTSource
 
-    from kvmesh.kernels.decode_attention import decode_kernel
-    from kvmesh.kernels.decode_tiles import TILES
-    from kvmesh.kernels.formats import FMT_CODES, FMT_E4M3, FMT_E5M2, FMT_INT8
-    from kvmesh.kernels.paged_attention import _dot_dtype, _unit
+    from kvmesh.kernels.decode_attention import decode_kernel, plain_constexprs
+    from kvmesh.kernels.formats import FMT_CODES
+    from kvmesh.kernels.paged_attention import _dot_dtype
 
-    fmt = FMT_CODES[kv_dtype]
-    t = TILES[fmt]
     lay = BlockLayout(num_layers=1, kv_heads=8, head_dim=d, block_size=bs, kv_dtype=kv_dtype)
-    block_h = max(16, triton.next_power_of_2(g)) if t.pad_rows else triton.next_power_of_2(g)
-    consts = dict(V_OFF=lay.v_data_offset // _unit(fmt), KS_OFF=lay.k_scale_offset, VS_OFF=lay.v_scale_offset,
-                  FMT=fmt, HAS_SCALE=fmt in (FMT_E4M3, FMT_E5M2, FMT_INT8), KVH=8, G=g, BS=bs, D=d,
-                  BLOCK_H=block_h, BLOCK_N=max(block_n or t.block_n, bs), PARTIAL=partial, DOT=_dot_dtype(fmt, None),
-                  NATIVE=t.native_cvt, SPLIT=t.split_codes, ASM=t.native_cvt, HEADS_FIRST=t.heads_first,
-                  TAIL_EARLY=t.tail_early and d == 128 and block_h == 16 and not t.split_codes, **extra)
-    opts = {"num_warps": 4, "num_stages": num_stages or t.num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    consts, _, _ = plain_constexprs(lay, g, _dot_dtype(FMT_CODES[kv_dtype], None), block_n=block_n,
+                                    num_stages=num_stages, maxnreg=maxnreg)
+    consts.update(PARTIAL=partial, **extra)
+    opts = {k: consts.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in consts}
     return _build(_source(decode_kernel, consts, bf16, ASTSource), opts)
 
 
