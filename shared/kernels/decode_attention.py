@@ -30,8 +30,6 @@ Decode is memory-bound, so what matters is bytes in flight and whole waves:
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -39,13 +37,12 @@ import triton.language as tl
 from kvmesh.kernels import decode_direct, decode_int4_direct
 from kvmesh.kernels.decode_int4 import decode_int4
 from kvmesh.kernels.backend import AttentionMetadata
-from kvmesh.kernels.formats import FMT_BF16, FMT_CODES, FMT_E4M3, FMT_E5M2, FMT_INT4, FMT_INT8
-from kvmesh.kernels.decode_tiles import TILES, lo_rows_launch
+from kvmesh.kernels.formats import FMT_CODES, FMT_INT4
+from kvmesh.kernels.decode_tiles import TILES, lo_rows_launch, plain_constexprs
 from kvmesh.kernels.splits import launch_split, num_sms, num_splits, resident_of
 from kvmesh.kernels.splits import resident_programs  # noqa: F401 (re-exported for callers)
 from kvmesh.kernels.paged_attention import (LOG2E, _cast_out, _check, _dot, _dot_dtype, _load_page_tile,
                                             _softmax_step, _unit)
-from kvmesh.kv.layout import BlockLayout
 from kvmesh.kv.pool import KVCache
 
 
@@ -273,49 +270,6 @@ def _split_step(acc_e, acc_o, m_i, l_i, s, ks, ve, vo, vs, valid, qk_scale, DOT:
     acc_e = acc_e * alpha[:, None] + _dot(pv, ve.to(DOT), DOT) * v_max
     acc_o = acc_o * alpha[:, None] + _dot(pv, vo.to(DOT), DOT) * v_max
     return acc_e, acc_o, m_new, l_i
-
-
-def plain_constexprs(L: BlockLayout, G: int, dot: tl.dtype, *, block_n: int | None = None,
-                     num_stages: int | None = None, block_h: int | None = None, native_cvt: bool | None = None,
-                     split_codes: int | None = None, heads_first: bool | None = None,
-                     tail_early: bool | None = None, lo_rows: bool | None = None, maxnreg: int | None = None,
-                     num_warps: int = 4) -> tuple[dict, bool, bool]:
-    """(the plain kernel's constexprs and launch options, whether the tile is the format's own, whether
-    the shape is Llama's: head_dim 128, 16 query rows) for pages of layout `L`, G query heads a KV head
-    and dot inputs `dot`, as `decode_attention` launches it (None: the format's choice in TILES, whose
-    register cap and early tail loads hold at Llama's shape only). Also what `sm90_build` builds."""
-    fmt, D = FMT_CODES[L.kv_dtype], L.head_dim
-    tiles = TILES[fmt]
-    own_tile = block_n is None and num_stages is None and block_h is None
-    block_n = block_n or max(tiles.block_n, L.block_size)
-    if block_h is None:
-        block_h = triton.next_power_of_2(G) if not tiles.pad_rows else max(16, triton.next_power_of_2(G))
-    # the tile's register cap, early tail loads and heads first past one wave were measured at head_dim
-    # 128 with 16 query rows; at SmolLM2's 64 the early loads cost fp16 1-18 % (H200)
-    llama_shape = D == 128 and block_h == 16
-    if maxnreg is None and own_tile and llama_shape:
-        maxnreg = tiles.maxnreg  # (at head_dim 64 it costs residency, at 256 it spills)
-    if block_h < G:
-        raise ValueError(f"block_h must be at least the {G} query heads per KV head, got {block_h}")
-    if block_n % L.block_size:
-        raise ValueError(f"block_n must be a multiple of the block size {L.block_size}, got {block_n}")
-    native_cvt = tiles.native_cvt if native_cvt is None else native_cvt
-    tail_early = tiles.tail_early and llama_shape if tail_early is None else tail_early
-    split_codes = int(tiles.split_codes if split_codes is None else split_codes) if fmt in (
-        FMT_E4M3, FMT_E5M2, FMT_INT8) else 0
-    unit = _unit(fmt)
-    consts = dict(
-        V_OFF=L.v_data_offset // unit, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset,
-        FMT=fmt, HAS_SCALE=fmt in (FMT_E4M3, FMT_E5M2, FMT_INT8), KVH=L.kv_heads, G=G,
-        BS=L.block_size, D=D, BLOCK_H=block_h, BLOCK_N=block_n,
-        DOT=dot, NATIVE=native_cvt, SPLIT=split_codes,
-        ASM=bool(native_cvt and os.environ.get("TRITON_INTERPRET") != "1"),  # no inline PTX there
-        HEADS_FIRST=tiles.heads_first if heads_first is None else heads_first,
-        TAIL_EARLY=bool(tail_early and not split_codes),
-        LO_ROWS=bool(lo_rows) and fmt == FMT_BF16 and 2 * G <= block_h,
-        num_warps=num_warps, num_stages=tiles.num_stages if num_stages is None else num_stages,
-        **({} if maxnreg is None else {"maxnreg": maxnreg}))
-    return consts, own_tile, llama_shape
 
 
 def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -1,12 +1,19 @@
 """Launch choices of the plain decode kernel (`decode_attention.py`) per KV format: its tile, pipeline
-depth and grid order, and for bf16 pages which form of p . v a launch takes."""
+depth and grid order, the constexprs they come to, and for bf16 pages which form of p . v a launch takes."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
-from kvmesh.kernels.formats import FMT_BF16, FMT_E4M3, FMT_E5M2, FMT_FP16, FMT_FP32, FMT_INT4, FMT_INT8
+import triton
+import triton.language as tl
+
+from kvmesh.kernels.formats import (FMT_BF16, FMT_CODES, FMT_E4M3, FMT_E5M2, FMT_FP16, FMT_FP32, FMT_INT4,
+                                    FMT_INT8)
+from kvmesh.kernels.paged_attention import _unit
 from kvmesh.kernels.splits import num_splits
+from kvmesh.kv.layout import BlockLayout
 
 
 @dataclass(frozen=True)
@@ -62,3 +69,46 @@ def lo_rows_launch(args: dict, splits: int, deep_stages: int, batch: int, kv_hea
     if r and num_splits(batch, kv_heads, context, sms, r, block_n) == 1:
         return lo, 1
     return args, splits
+
+
+def plain_constexprs(L: BlockLayout, G: int, dot: tl.dtype, *, block_n: int | None = None,
+                     num_stages: int | None = None, block_h: int | None = None, native_cvt: bool | None = None,
+                     split_codes: int | None = None, heads_first: bool | None = None,
+                     tail_early: bool | None = None, lo_rows: bool | None = None, maxnreg: int | None = None,
+                     num_warps: int = 4) -> tuple[dict, bool, bool]:
+    """(the plain kernel's constexprs and launch options, whether the tile is the format's own, whether
+    the shape is Llama's: head_dim 128, 16 query rows) for pages of layout `L`, G query heads a KV head
+    and dot inputs `dot`, as `decode_attention.decode_attention` launches it (None: the format's choice in TILES, whose
+    register cap and early tail loads hold at Llama's shape only). Also what `sm90_build` builds."""
+    fmt, D = FMT_CODES[L.kv_dtype], L.head_dim
+    tiles = TILES[fmt]
+    own_tile = block_n is None and num_stages is None and block_h is None
+    block_n = block_n or max(tiles.block_n, L.block_size)
+    if block_h is None:
+        block_h = triton.next_power_of_2(G) if not tiles.pad_rows else max(16, triton.next_power_of_2(G))
+    # the tile's register cap, early tail loads and heads first past one wave were measured at head_dim
+    # 128 with 16 query rows; at SmolLM2's 64 the early loads cost fp16 1-18 % (H200)
+    llama_shape = D == 128 and block_h == 16
+    if maxnreg is None and own_tile and llama_shape:
+        maxnreg = tiles.maxnreg  # (at head_dim 64 it costs residency, at 256 it spills)
+    if block_h < G:
+        raise ValueError(f"block_h must be at least the {G} query heads per KV head, got {block_h}")
+    if block_n % L.block_size:
+        raise ValueError(f"block_n must be a multiple of the block size {L.block_size}, got {block_n}")
+    native_cvt = tiles.native_cvt if native_cvt is None else native_cvt
+    tail_early = tiles.tail_early and llama_shape if tail_early is None else tail_early
+    split_codes = int(tiles.split_codes if split_codes is None else split_codes) if fmt in (
+        FMT_E4M3, FMT_E5M2, FMT_INT8) else 0
+    unit = _unit(fmt)
+    consts = dict(
+        V_OFF=L.v_data_offset // unit, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset,
+        FMT=fmt, HAS_SCALE=fmt in (FMT_E4M3, FMT_E5M2, FMT_INT8), KVH=L.kv_heads, G=G,
+        BS=L.block_size, D=D, BLOCK_H=block_h, BLOCK_N=block_n,
+        DOT=dot, NATIVE=native_cvt, SPLIT=split_codes,
+        ASM=bool(native_cvt and os.environ.get("TRITON_INTERPRET") != "1"),  # no inline PTX there
+        HEADS_FIRST=tiles.heads_first if heads_first is None else heads_first,
+        TAIL_EARLY=bool(tail_early and not split_codes),
+        LO_ROWS=bool(lo_rows) and fmt == FMT_BF16 and 2 * G <= block_h,
+        num_warps=num_warps, num_stages=tiles.num_stages if num_stages is None else num_stages,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}))
+    return consts, own_tile, llama_shape

@@ -116,7 +116,8 @@ def compile_plain_sass(kv_dtype: str, d: int, g: int, bs: int, extra: dict, maxn
     top, such as LO_ROWS), built for sm_90 like `compile_sass`."""
     from triton.compiler import ASTSource
 
-    from kvmesh.kernels.decode_attention import decode_kernel, plain_constexprs
+    from kvmesh.kernels.decode_attention import decode_kernel
+    from kvmesh.kernels.decode_tiles import plain_constexprs
     from kvmesh.kernels.formats import FMT_CODES
     from kvmesh.kernels.paged_attention import _dot_dtype
 
