@@ -1,14 +1,15 @@
-"""The plain decode kernel's launch choices for bf16 pages (`decode_tiles.lo_rows_launch`): at the four
-benchmark cases, with the residencies the sm_90 builds give (hi + lo dots at 128-token tiles and 3 stages:
-213 registers, 2 programs an SM; lo rows: 168, 3; lo rows at 5 stages: 140 KB of shared memory, 1;
-checked against a real build by tests/test_kernels_sm90_build.py), it takes what the H200 measured
-fastest (docs/kernels.md)."""
+"""The plain decode kernel's launch choices for bf16 pages (`decode_tiles.lo_rows_launch`) and fp16 pages
+(`decode_tiles.one_wave_launch`): at the four benchmark cases, with the residencies the sm_90 builds give
+(bf16 hi + lo dots at 128-token tiles and 3 stages: 213 registers, 2 programs an SM; lo rows: 168, 3; lo
+rows at 5 stages: 140 KB of shared memory, 1; checked against a real build by
+tests/test_kernels_sm90_build.py; fp16 at 32 x 5 under its 128 cap: 4, at 128 x 5: 1), they take what the
+H200 measured fastest (docs/kernels.md)."""
 from __future__ import annotations
 
 import pytest
 
-from kvmesh.kernels.decode_tiles import TILES, lo_rows_launch
-from kvmesh.kernels.formats import FMT_BF16
+from kvmesh.kernels.decode_tiles import TILES, lo_rows_launch, one_wave_launch
+from kvmesh.kernels.formats import FMT_BF16, FMT_FP16
 from kvmesh.kernels.splits import Residency, num_splits, slot_cost
 
 SMS, KVH, BLOCK_N = 132, 8, 128
@@ -70,3 +71,30 @@ def test_residency_of_a_variant_that_does_not_load_is_zero():
     assert Residency().get(("deep",), torch.device("cuda"), TooBig) == 0
     # and the register-cap choice of the direct kernels never takes such a variant
     assert slot_cost(64, 8, 4096, SMS, 0, 3) == float("inf") > slot_cost(64, 8, 4096, SMS, 12, 3)
+
+
+def fp16_resident(args: dict) -> int:
+    # fp16 pages at 32-token tiles, 5 stages, a 128-register cap: 4 programs an SM; at 128 x 5: 1
+    return 1 if args["BLOCK_N"] == 128 else 4
+
+
+@pytest.mark.parametrize("batch,ctx,want", [(64, 4096, (32, 1)), (16, 16384, (128, 1)),
+                                            (256, 1024, (32, 1)), (8, 32768, (128, 2))])
+def test_fp16_takes_its_deep_tile_where_the_launch_fits_one_wave(batch, ctx, want):
+    tiles = TILES[FMT_FP16]
+    base = dict(BLOCK_N=tiles.block_n, num_stages=tiles.num_stages, maxnreg=tiles.maxnreg)
+    splits = num_splits(batch, KVH, ctx + 1, SMS, fp16_resident(base), tiles.block_n)
+    args, s = one_wave_launch(base, splits, tiles.one_wave, batch, KVH, ctx + 1, SMS, fp16_resident)
+    assert (args["BLOCK_N"], s) == want
+    if args["BLOCK_N"] == 128:  # the deep tile runs uncapped at 5 stages, its programs all at once
+        assert "maxnreg" not in args and args["num_stages"] == 5 and batch * KVH * s <= SMS
+    else:
+        assert args == base and s == splits
+
+
+def test_fp16_deep_tile_is_passed_over_where_it_does_not_load():
+    tiles = TILES[FMT_FP16]
+    base = dict(BLOCK_N=tiles.block_n, num_stages=tiles.num_stages, maxnreg=tiles.maxnreg)
+    args, s = one_wave_launch(base, 3, tiles.one_wave, 16, KVH, 16385, SMS,
+                              lambda a: 0 if a["BLOCK_N"] == 128 else 4)
+    assert (args, s) == (base, 3)

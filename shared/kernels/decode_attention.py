@@ -38,7 +38,7 @@ from kvmesh.kernels import decode_direct, decode_int4_direct
 from kvmesh.kernels.decode_int4 import decode_int4
 from kvmesh.kernels.backend import AttentionMetadata
 from kvmesh.kernels.formats import FMT_CODES, FMT_INT4
-from kvmesh.kernels.decode_tiles import TILES, lo_rows_launch, plain_constexprs
+from kvmesh.kernels.decode_tiles import TILES, lo_rows_launch, one_wave_launch, plain_constexprs
 from kvmesh.kernels.splits import launch_split, num_sms, num_splits, resident_of
 from kvmesh.kernels.splits import resident_programs  # noqa: F401 (re-exported for callers)
 from kvmesh.kernels.paged_attention import (LOG2E, _cast_out, _check, _dot, _dot_dtype, _load_page_tile,
@@ -355,4 +355,7 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
         if lo_rows is None and tiles.lo_rows_deep_stages and own_tile and llama_shape and 2 * G <= block_h:
             args, splits = lo_rows_launch(args, splits, tiles.lo_rows_deep_stages, B, L.kv_heads,
                                           meta.max_prefix_len + 1, sms, block_n, resident_in)
+        if tiles.one_wave and own_tile and llama_shape:
+            args, splits = one_wave_launch(args, splits, tiles.one_wave, B, L.kv_heads, meta.max_prefix_len + 1,
+                                           sms, resident_in)
     return launch_split(decode_kernel, out, L.kv_heads, splits, args)

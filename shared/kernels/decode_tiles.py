@@ -32,6 +32,8 @@ class DecodeTiles:
     # bf16 pages: p . v as one dot with p's lo part in the padding query rows where `lo_rows_launch` takes it,
     # at this pipeline depth where the whole launch then fits one wave (0: lo rows never)
     lo_rows_deep_stages: int = 0
+    # (tokens a tile, pipeline depth) of a launch taken where it fits one wave (`one_wave_launch`); () never
+    one_wave: tuple[int, int] | tuple[()] = ()
 
 
 # Fastest on the H200 over 64 x 4096 and 16 x 16384 (benchmarks/decode_sweep.py, docs/kernels.md).
@@ -39,8 +41,11 @@ class DecodeTiles:
 # at two others: not kept). H200, two runs of benchmarks/decode_direct_sweep.py (docs/decode_direct.md).
 # fp16/bf16 tail_early: +1.2 / +1.5 % at 256 x 1,024, bf16 +0.8 % at 16 x 16,384 and 8 x 32,768, = elsewhere;
 # fp16 heads first past one wave: +0.8-1.2 % at 256 x 1,024 (the only case it changes).
+# fp16 one wave at 128 x 5 (one program an SM, 140 KB of shared memory): 16 x 16,384 0.955 -> 0.990x SDPA,
+# 8 x 32,768 0.966 -> 0.998x; past one wave it loses (64 x 4,096 0.948x, 256 x 1,024 0.852x against 0.95-0.97x).
 TILES = {FMT_FP32: DecodeTiles(32, 3),
-         FMT_FP16: DecodeTiles(32, 5, tail_early=True, maxnreg=128, heads_first_past_one_wave=True),
+         FMT_FP16: DecodeTiles(32, 5, tail_early=True, maxnreg=128, heads_first_past_one_wave=True,
+                               one_wave=(128, 5)),
          FMT_BF16: DecodeTiles(128, 3, heads_first=True, tail_early=True, lo_rows_deep_stages=5),
          FMT_E4M3: DecodeTiles(128, 1, native_cvt=True), FMT_E5M2: DecodeTiles(128, 1, pad_rows=False),
          FMT_INT8: DecodeTiles(128, 3, split_codes=1), FMT_INT4: DecodeTiles(32, 5, pad_rows=False)}
@@ -60,15 +65,35 @@ def lo_rows_launch(args: dict, splits: int, deep_stages: int, batch: int, kv_hea
        and unsplit on 3 programs an SM its 512 programs leave a second wave 30 % full (0.82x).
     A variant that does not fit the GPU (`resident` 0: a smaller GPU's shared memory) is passed over."""
     deep = dict(args, LO_ROWS=True, num_stages=deep_stages)
-    r = resident(deep)
-    s = num_splits(batch, kv_heads, context, sms, max(1, r), block_n)
-    if r and batch * kv_heads * s <= sms * r:
+    s = one_wave_splits(deep, batch, kv_heads, context, sms, block_n, resident)
+    if s:
         return deep, s
     lo = dict(args, LO_ROWS=True)
     r = resident(lo)
     if r and num_splits(batch, kv_heads, context, sms, r, block_n) == 1:
         return lo, 1
     return args, splits
+
+
+def one_wave_splits(args: dict, batch: int, kv_heads: int, context: int, sms: int, block_n: int,
+                    resident: Callable[[dict], int]) -> int:
+    """The split count of the launch `args` (tiles of `block_n` tokens) where its programs, split by its
+    own residency, all fit on the SMs at once; 0 where they do not, or it does not load on this GPU."""
+    r = resident(args)
+    s = num_splits(batch, kv_heads, context, sms, max(1, r), block_n)
+    return s if r and batch * kv_heads * s <= sms * r else 0
+
+
+def one_wave_launch(args: dict, splits: int, tile: tuple[int, int], batch: int, kv_heads: int, context: int,
+                    sms: int, resident: Callable[[dict], int]) -> tuple[dict, int]:
+    """(kernel arguments, splits): the launch at `tile` (tokens a tile, pipeline depth; no register cap)
+    where it fits one wave, else `args` and `splits` as given. Deep pipelines hold one program an SM
+    (fp16 at 128 x 5: 140 KB of shared memory), which pays where every program starts at once and
+    loses where a second wave waits on the first (H200, docs/kernels.md)."""
+    block_n, stages = tile
+    deep = {k: v for k, v in args.items() if k != "maxnreg"} | dict(BLOCK_N=block_n, num_stages=stages)
+    s = one_wave_splits(deep, batch, kv_heads, context, sms, block_n, resident)
+    return (deep, s) if s else (args, splits)
 
 
 def plain_constexprs(L: BlockLayout, G: int, dot: tl.dtype, *, block_n: int | None = None,
