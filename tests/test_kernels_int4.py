@@ -124,6 +124,9 @@ def test_gpu_decode_int4_direct(gqa, head_dim, bs, dtype):
                      tail_first=tail_first)
     check_decode(gqa, head_dim, bs, [4000, 20, 1600], seed=4, decode=decode_int4_direct,
                  case=dict(on_gpu, first_page=70_000, num_layers=1, layer=0))
+    if head_dim == 128 and gqa <= 8:  # the cp.async ring serves these; its register loads stay checked
+        check_decode(gqa, head_dim, bs, lens, seed=9, case=on_gpu, decode=decode_int4_direct, ring=0)
+        check_decode(gqa, head_dim, bs, lens, seed=10, case=on_gpu, decode=decode_int4_direct, ring=0, splits=3)
 
 
 @pytest.mark.gpu

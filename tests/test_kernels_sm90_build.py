@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from kvmesh.kernels.sm90_build import CASES, SPILL_BUDGET
+from kvmesh.kernels.sm90_build import CASES, H200_SHARED_PER_SM, SPILL_BUDGET
+from kvmesh.kernels.splits import resident_programs
 
 
 def _build(*args: str):
@@ -47,3 +48,10 @@ def test_chunk_loop_in_registers_with_tensor_cores_and_wide_loads(report, i):
     assert r["hmma"] >= 2 * r["head_dim"] // 16, r
     assert r["wide_loads"] >= 1, r  # pages come in 16-byte loads straight into fragments
     assert 100 < r["loop"] < 1000, r
+
+
+def test_int4_ring_holds_16_programs_an_sm(report):
+    # Llama heads: the cp.async ring (3 chunks, ~10.5 KB) and 128 registers keep 16 one-warp programs an
+    # H200 SM; a 4-deep ring (13 KB + the reserved 1 KB) held 15 and ran 1-3 % slower
+    r = report[CASES.index(("int4", 128, 4, 128))]
+    assert resident_programs(r["registers"], r["shared"], 1, H200_SHARED_PER_SM) == 16, r

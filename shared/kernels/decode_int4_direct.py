@@ -20,9 +20,14 @@ permutes. The m part, m_step sum_t p_t cm_t + m_base sum_t p_t, is one small MMA
 bytes (exact integers) whose rows 8-15 are ones, so it yields the softmax sum sum_t p_t too (no
 shuffles); fp32 accumulators, added to the output at the end.
 
-Loads: the next chunk's keys are issued once this chunk's scores are done and its values once its
-values are, into the registers just freed (a whole chunk ahead they need a second set, and ptxas
-copies every word once a chunk), a thread's K (and V) words as one pack of vector loads at immediate
+Loads at head_dim 128, G <= 8: a cp.async ring in shared memory (`int4_page_loads.ring_*`), RING
+chunks deep: each chunk copies the four page runs of the chunk RING - 1 ahead (16 bytes a lane a
+copy), then reads its own slot into the fragments where they are used, so no registers wait on
+loads (106-108 under a 128 cap: 16 programs an SM where the register loads held 12) and no line is
+asked of L2 twice. Elsewhere (head_dim 64 and 256, G 9-16), register loads: the next chunk's keys
+are issued once this chunk's scores are done and its values once its values are, into the registers
+just freed (a whole chunk ahead they need a second set, and ptxas copies every word once a chunk), a
+thread's K (and V) words as one pack of vector loads at immediate
 offsets from one address, allocating no L1 line (each byte is read once); L2 is asked for the chunk
 after that (one prefetch a lane), so those loads find it there. What stays the same through the loop
 and is read once a chunk (the q' pairs, sum(q'), the 16 pages' offsets) waits in shared memory, not
@@ -33,7 +38,7 @@ values part as cover).
 The steps over a chunk: `int4_chunk.py`; fragments, layouts and the PTX: `int4_fragments.py`.
 Splits, the fused split reduction, the residual tail (full precision, one masked chunk) and the new
 token as in `decode_direct.py`. SASS, timings and every variant measured: docs/decode_direct.md,
-"INT4" (2.45-2.58x SDPA on the H200). G 9-16 query heads a KV head take two MMA n-tiles (NH 16: q^T
+"INT4" (2.58-2.73x SDPA on the H200). G 9-16 query heads a KV head take two MMA n-tiles (NH 16: q^T
 [D, 16], S^T [16, 16], O^T [D, 16]; the q' pairs of heads 8-15 in the shared buffers' second half);
 see ROUTED_GROUP.
 """
@@ -57,7 +62,8 @@ if HAVE_GLUON:
     from kvmesh.kernels.int4_fragments import (b_operand, logical_k, logical_k_fp16, odd_rows_unit, pair_words,
                                                q_pairs, row_halves, rows_joined, v_codes_layout, v_words_layout,
                                                words_layout)
-    from kvmesh.kernels.int4_page_loads import load_keys, load_values
+    from kvmesh.kernels.int4_page_loads import (load_keys, load_values, ring_buffers, ring_issue, ring_keys,
+                                                ring_offsets, ring_values, ring_wait)
     from kvmesh.kernels.mma_fragments import A_OP, CHUNK_C, MMA, load_hint, q_operand, to_fp16
     from kvmesh.kernels.split_partials import chunk_lines, page_base, prefetch_l2, store_output
 
@@ -68,6 +74,14 @@ MAXNREG = 168  # a ceiling: at head_dim 128 the kernel takes 140 (still 12 one-w
 REGISTER_OPTIONS = ((MAXNREG, 1.0), (128, 1.06))
 # head_dim 64 (SmolLM2) takes 112 under this cap, no spills: 16 programs an SM everywhere
 REGISTER_CAP_D64 = 128
+# Head_dim 128 at G <= 8: the pages come through a cp.async ring in shared memory, RING chunks deep, and
+# no registers wait on loads: 106-108 registers under a 128 cap (sm_90, no spills), 10.5 KB of shared
+# memory, 16 programs an SM, no L2 prefetch. H200 against the register loads (two runs):
+# 2.57-2.61 / 2.54-2.58 / 2.66-2.75 / 2.55-2.61x SDPA against 2.53-2.56 / 2.48-2.52 / 2.55-2.59 / 2.53-2.56x.
+# 4 deep (13 KB) holds 15 programs an SM with the block's reserved kilobyte: -1 to -3 %; 3 deep at 96
+# registers (20 an SM) spills: -8 to -12 %; 4 deep at 168 (12 an SM): -1 to -15 %.
+RING = 3
+RING_REGISTER_CAP = 128
 
 
 # G 9-16 take two MMA n-tiles (NH 16: 221-226 registers uncapped at head_dim 128, no spills, 469
@@ -127,7 +141,9 @@ if HAVE_GLUON:
         TAIL_FIRST: gl.constexpr = False,  # the last split takes its tail while its first chunk loads
         L1NA: gl.constexpr = False,  # the K and V row loads allocate no L1 line (each byte is read once)
         NH: gl.constexpr = 8,  # the MMAs' head columns: 8 (G <= 8) or 16 (G <= 16: two n-tiles)
+        RING: gl.constexpr = 0,  # > 0: pages through a cp.async ring of RING chunks (head_dim 128, NH 8 only)
     ):
+        USE_RING: gl.constexpr = RING > 0 and D == 128 and NH == 8
         LKW: gl.constexpr = words_layout(D // 8, 16)
         LVW: gl.constexpr = v_words_layout(D)
         LCB: gl.constexpr = words_layout(D // 4, 8)
@@ -230,11 +246,22 @@ if HAVE_GLUON:
         CPP: gl.constexpr = BS // CHUNK_C
         last = gl.maximum(hi - 1, 0)
         c0 = gl.minimum(lo, last)
-        pb = page_base(pool_ptr, gl.load(bt_row + c0 // CPP), page_stride, layer_off)
-        kw, cs, hk = load_keys(pb, c0, ko, co, rec, BS, D, load_hint(0, L1NA))
-        vw, vc, hv = load_values(pb, c0, vo, so, rec, BS, D, load_hint(0, L1NA))
-        page1 = gl.load(bt_row + gl.minimum(lo + 1, last) // CPP)
-        page2 = gl.load(bt_row + gl.minimum(lo + 2, last) // CPP)
+        if USE_RING:  # the first RING - 1 chunks' copies in flight; a chunk issues the one RING - 1 ahead
+            kring, vring, mring = ring_buffers(RING, D)
+            rk, rv, rm, rmv, rm_ok = ring_offsets(kvh, rec, V_OFF, VS_OFF, BS, D)
+            for i in gl.static_range(RING - 1):
+                ci = gl.minimum(lo + i, last)
+                ring_issue(kring, vring, mring, i, page_base(pool_ptr, gl.load(bt_row + ci // CPP), page_stride,
+                                                             layer_off), ci, rk, rv, rm, rmv, rm_ok, BS, D)
+            page_n = gl.load(bt_row + gl.minimum(lo + RING - 1, last) // CPP)
+            cs_like = gl.zeros([8, D // 4], gl.uint32, LCB)
+            vc_like = gl.zeros([8, 8, 4], gl.uint32, LVC)
+        else:
+            pb = page_base(pool_ptr, gl.load(bt_row + c0 // CPP), page_stride, layer_off)
+            kw, cs, hk = load_keys(pb, c0, ko, co, rec, BS, D, load_hint(0, L1NA))
+            vw, vc, hv = load_values(pb, c0, vo, so, rec, BS, D, load_hint(0, L1NA))
+            page1 = gl.load(bt_row + gl.minimum(lo + 1, last) // CPP)
+            page2 = gl.load(bt_row + gl.minimum(lo + 2, last) // CPP)
         if TAIL_FIRST:  # while the first chunk loads: the tail's round trips overlap the pages' first ones
             if split == num_splits - 1:
                 acc_t, m_i, l_t, _ = residual_tail(gl.zeros([D, NH], gl.float32, layout=MMA), m_i, gl.zeros_like(m_i), q_rows,
@@ -243,7 +270,7 @@ if HAVE_GLUON:
                 rows = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
                 acc = acc_t / odd_rows_unit(rows)[:, None]  # into the pages' units (F = 1 at e_cur 124)
                 l_i = l_i + gl.convert_layout(l_t, gl.SliceLayout(0, l_i.type.layout), assert_trivial=True)[None, :]
-        if L2PF:
+        if L2PF and not USE_RING:
             k0 = kvh * BS * (D // 2)  # a chunk's K and V rows (8 D bytes each), the head's K record, V codes
             lines, per_row = chunk_lines(k0, V_OFF + k0, KS_OFF + kvh * (HEADER + 2 * D), VS_OFF + kvh * BS * (D // 16),
                                          8 * D, 8 * D, HEADER + 2 * D, D, D // 2, D // 2, 0, D // 16)
@@ -260,18 +287,34 @@ if HAVE_GLUON:
             offsets.store(page_offsets(pool_ptr, bt_row, p0, p_last, rr, cmo, rec, q_op, sq_s.load(MMA), qk_q,
                                         page_stride, layer_off, D))
             for c in range(gl.maximum(lo, p0 * CPP), gl.minimum(hi, (p0 + CHUNK_C) * CPP)):
-                if L2PF:
-                    prefetch_l2(pool_ptr, page2, gl.minimum(c + 2, last), lines, per_row, page_stride, layer_off, BS)
-                page3 = gl.load(bt_row + gl.minimum(c + 3, last) // CPP)
-                pb = page_base(pool_ptr, page1, page_stride, layer_off)
+                if USE_RING:
+                    rs = (c - lo) % RING  # the ring slot of this chunk
+                    ring_wait(RING - 2)  # this chunk's group is in (and the slot refilled below was read)
+                    kw, cs, hk = ring_keys(kring, mring, rs, cs_like, D)
+                    ring_issue(kring, vring, mring, (c - lo + RING - 1) % RING,
+                               page_base(pool_ptr, page_n, page_stride, layer_off), gl.minimum(c + RING - 1, last),
+                               rk, rv, rm, rmv, rm_ok, BS, D)
+                    page_n = gl.load(bt_row + gl.minimum(c + RING, last) // CPP)
+                else:
+                    if L2PF:
+                        prefetch_l2(pool_ptr, page2, gl.minimum(c + 2, last), lines, per_row, page_stride, layer_off,
+                                    BS)
+                    page3 = gl.load(bt_row + gl.minimum(c + 3, last) // CPP)
+                    pb = page_base(pool_ptr, page1, page_stride, layer_off)
                 offset = page_rows.index(c // CPP - p0).load(HL)[None, :]  # the page's row, for all 16 tokens
                 st = chunk_scores(q_lo.load(LCQ), q_hi.load(LCQ), kw, cs, hk, offset, k_unit, D)
-                kw, cs, hk = load_keys(pb, gl.minimum(c + 1, last), ko, co, rec, BS, D, load_hint(0, L1NA))
+                if USE_RING:
+                    vw, vc, hv = ring_values(vring, mring, rs, vc_like, D)
+                else:
+                    kw, cs, hk = load_keys(pb, gl.minimum(c + 1, last), ko, co, rec, BS, D, load_hint(0, L1NA))
                 acc, accm, mb, m_i, l_i, e_cur = softmax_values(acc, accm, mb, m_i, l_i, e_cur, st, vw, vc, sel_s,
                                                                  sel_m, hv, D)
-                vw, vc, hv = load_values(pb, gl.minimum(c + 1, last), vo, so, rec, BS, D, load_hint(0, L1NA))
-                page1 = page2
-                page2 = page3
+                if not USE_RING:
+                    vw, vc, hv = load_values(pb, gl.minimum(c + 1, last), vo, so, rec, BS, D, load_hint(0, L1NA))
+                    page1 = page2
+                    page2 = page3
+        if USE_RING:
+            ring_wait(0)  # no copy outlives the program
         m = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
         acc = acc * (odd_rows_unit(m) * ((e_cur + 3) << 23).to(gl.float32, bitcast=True))[:, None]  # 1 / F
         accm = gl.convert_layout(rows_joined(accm, accm), MMA, assert_trivial=True)  # lane g's group in rows g, g + 8
@@ -299,17 +342,20 @@ def decode_int4_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: t
                        splits: int | None = None, fused: bool | None = None,
                        maxnreg: int | None = -1,
                        l2_prefetch: bool = True, tail_first: bool = True,
-                       l1_no_allocate: bool = True) -> torch.Tensor:
+                       l1_no_allocate: bool = True, ring: int = RING) -> torch.Tensor:
     """out [B, H, D] for q [B, H, D] fp16 or bf16 (one new token per sequence; k/v [B, KVH, D] its new
     K/V) over int4 pages; `supports` must hold and the caller has checked the arguments. `splits`
     overrides the split count, `fused` whether the last split reduces (None: up to
     FUSED_MAX_SPLITS), `maxnreg` the register cap (-1: REGISTER_CAP_D64 at head_dim 64, at 128
     REGISTER_OPTIONS, the cheaper for the shape, none at 16 head columns or head_dim 256; None:
     none), `tail_first` whether the last split takes its tail before its pages, `l1_no_allocate`
-    whether its row loads skip L1. G 9-16 run two MMA n-tiles (see ROUTED_GROUP)."""
+    whether its row loads skip L1 (register loads), `ring` the cp.async ring's depth where it serves
+    (head_dim 128, G <= 8; 0: register loads). G 9-16 run two MMA n-tiles (see ROUTED_GROUP)."""
     nh = head_columns(q.shape[1] // cache.layout.kv_heads)
+    ring = ring if q.shape[2] == 128 and nh == 8 else 0
     if maxnreg == -1:  # head_dim 256 and 16 head columns spill under any cap that keeps more programs
-        maxnreg = {64: REGISTER_CAP_D64, 128: REGISTER_OPTIONS}.get(q.shape[2]) if nh == 8 else None
+        maxnreg = (RING_REGISTER_CAP if ring else
+                   {64: REGISTER_CAP_D64, 128: REGISTER_OPTIONS}.get(q.shape[2]) if nh == 8 else None)
     return launch_direct(decode_int4_direct_kernel, "int4-direct", cache, layer, q, k, v, meta, scale,
-                         splits=splits, fused=fused, maxnreg=maxnreg,
+                         splits=splits, fused=fused, maxnreg=maxnreg, RING=ring,
                          L2PF=l2_prefetch, TAIL_FIRST=tail_first, L1NA=l1_no_allocate, NH=nh)

@@ -36,7 +36,8 @@ def kernel_of(name: str):
     or _<name> for a git-ignored INT4 experiment copy (as `int4_direct_check.py --variants mod_<name>`)."""
     if name == "int4" or name.startswith("_"):  # an experiment copy: kernels/_<name>_int4_direct.py
         mod = importlib.import_module(f"kvmesh.kernels.{'decode' if name == 'int4' else name}_int4_direct")
-        return mod.decode_int4_direct_kernel, "int4", {"L2PF": True, "TAIL_FIRST": True, "L1NA": True}
+        return mod.decode_int4_direct_kernel, "int4", {"L2PF": True, "TAIL_FIRST": True, "L1NA": True,
+                                                       "RING": getattr(mod, "RING", 0)}
     from kvmesh.kernels.decode_direct import CODE_MAX, FMT_CODES, LOADS, decode_direct_kernel
     fmt = FMT_CODES[name]
     lo = LOADS[fmt]  # as decode_direct() launches it
@@ -155,7 +156,7 @@ def chunk_loop(ins: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
 SPILL_BUDGET = {("int8", 128, 4): 8}
 # (kernel, head_dim, G, register cap) as the engine launches them: Llama-3-8B's heads, SmolLM2's, and
 # 16 query heads a KV head (two MMA n-tiles; no cap)
-CASES = [(k, 128, 4, 168 if k == "int4" else 128) for k in ("int4", "fp8_e4m3", "fp8_e5m2", "int8")] + [
+CASES = [(k, 128, 4, 128) for k in ("int4", "fp8_e4m3", "fp8_e5m2", "int8")] + [
     ("int4", 64, 3, 128), ("int8", 64, 3, 128), ("fp8_e4m3", 128, 16, None), ("int8", 128, 16, None),
     ("int4", 128, 16, None)]
 
