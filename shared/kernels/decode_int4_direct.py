@@ -78,7 +78,7 @@ REGISTER_CAP_D64 = 128
 # no registers wait on loads: 106-108 registers under a 128 cap (sm_90, no spills), 10.5 KB of shared
 # memory, 16 programs an SM, no L2 prefetch. H200 against the register loads (two runs):
 # 2.57-2.61 / 2.54-2.58 / 2.66-2.75 / 2.55-2.61x SDPA against 2.53-2.56 / 2.48-2.52 / 2.55-2.59 / 2.53-2.56x.
-# 4 deep (13 KB) holds 15 programs an SM with the block's reserved kilobyte: -1 to -3 %; 3 deep at 96
+# 4 deep (13 KB, still 16 programs an SM) -1 to -3 %, more in flight and slower; 3 deep at 96
 # registers (20 an SM) spills: -8 to -12 %; 4 deep at 168 (12 an SM): -1 to -15 %.
 RING = 3
 RING_REGISTER_CAP = 128
