@@ -308,7 +308,7 @@ if HAVE_GLUON:
                 else:
                     kw, cs, hk = load_keys(pb, gl.minimum(c + 1, last), ko, co, rec, BS, D, load_hint(0, L1NA))
                 acc, accm, mb, m_i, l_i, e_cur = softmax_values(acc, accm, mb, m_i, l_i, e_cur, st, vw, vc, sel_s,
-                                                                 sel_m, hv, D)
+                                                                 sel_m, hv, D, NH == 8)
                 if not USE_RING:
                     vw, vc, hv = load_values(pb, gl.minimum(c + 1, last), vo, so, rec, BS, D, load_hint(0, L1NA))
                     page1 = page2

@@ -71,7 +71,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def softmax_values(acc, accm, mb, m_i, l_i, e_cur, st, vw, vc, sel_s, sel_m, hv, D: gl.constexpr,
-                       GROW: gl.constexpr = 8):
+                       LAZY: gl.constexpr, GROW: gl.constexpr = 8):
         """The online softmax of a chunk's scores st and its values into the state: acc in units of
         F (e_cur: the V s_step exponent field F was taken from, plus one), the V m part into accm / mb
         ([8 g, NH heads]; mb and l_i: every row alike). Returns the updated state.
@@ -81,14 +81,19 @@ if HAVE_GLUON:
         exponent leaves (e_cur - 8, e_cur]: F = 2**(124 - e_cur) must keep the scale pairs below 64
         (1024 s fits fp16) and normal. F's are powers of two, so their ratio is a difference of
         exponent fields (no division); F takes one exponent of headroom, so a page with twice the scale
-        moves nothing. H200: +1 to +3 % at three of the four cases, = at 256 x 1,024 (docs/decode_direct.md)."""
+        moves nothing. H200: +1 to +3 % at three of the four cases, = at 256 x 1,024 (docs/decode_direct.md).
+        LAZY False: every chunk rescales (G 9-16, where the lazy branch has not yet run on a GPU)."""
         v_mb, v_ms, v_ss = header_scalars(hv)
         e_page = (v_ss.to(gl.int32, bitcast=True) >> 23) & 0xFF
         m_chunk = gl.max(st, axis=0)
-        grew = gl.max((m_chunk > m_i + GROW).to(gl.int32), axis=0)  # the same in every lane
-        if (grew > 0) | (e_page > e_cur) | (e_page < e_cur - 8):
+        if LAZY:
+            grew = gl.max((m_chunk > m_i + GROW).to(gl.int32), axis=0)  # the same in every lane
+            must = (grew > 0) | (e_page > e_cur) | (e_page < e_cur - 8)
+        else:
+            must = e_page == e_page
+        if must:
             m_new = gl.maximum(m_i, m_chunk)
-            e_new = e_page + 1
+            e_new = e_page + LAZY  # headroom where F may stay
             acc, accm, mb, l_i = rescale(acc, accm, mb, l_i, gl.exp2(m_i - m_new), e_cur, e_new)
             m_i = m_new
             e_cur = e_new
