@@ -127,18 +127,19 @@ def split_sweep(reps: int, counts: list[int]) -> None:
         torch.cuda.empty_cache()
 
 
-def context_sweep(reps: int, contexts: list[int], variants: list[str]) -> None:
-    """One wave of programs (12 an SM: sequences x KV heads, one split each, the 168-register build)
-    at growing contexts: time = a fixed cost a program + the pages' bytes at a streaming rate (a
-    least-squares line over the contexts of 1,024 tokens and more), for each variant."""
+def context_sweep(reps: int, contexts: list[int], variants: list[str], wave: int = 16) -> None:
+    """One wave of programs (`wave` an SM: sequences x KV heads, one split each, each variant's own
+    register cap; the ring holds 16 an SM, the register loads 12) at growing contexts: time = a fixed
+    cost a program + the pages' bytes at a streaming rate (a least-squares line over the contexts of
+    1,024 tokens and more), for each variant."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    batch = sms * 12 // kb.KVH
+    batch = sms * wave // kb.KVH
     times: dict = {v: [] for v in variants}
     for ctx in contexts:
         cache, meta, q, kn, vn = kb.decode_problem("int4", kb.decode_case(batch, ctx))
         for name in variants:
             fn, kw = variant(name)
-            kw = dict(kw, splits=1, maxnreg=168)
+            kw = dict(kw, splits=1)
             t = kb.time_ms(lambda: fn(cache, 0, q, kn, vn, meta, kb.D ** -0.5, **kw), reps)
             times[name].append(t * 1000)
             log(f"  {name} {batch} x {ctx}: {t * 1000:.1f} us")
@@ -165,10 +166,11 @@ def main() -> None:
     ap.add_argument("--skip-correctness", action="store_true")
     ap.add_argument("--split-sweep", default="", help="e.g. 1,2,3,4,8: time these split counts instead")
     ap.add_argument("--context-sweep", default="", help="e.g. 16,256,1024,2048,4096: a wave's fixed cost and rate")
+    ap.add_argument("--wave", type=int, default=16, help="--context-sweep: programs an SM in its one wave")
     args = ap.parse_args()
     variants = args.variants.split(";" if ";" in args.variants else ",")
     if args.context_sweep:
-        context_sweep(args.reps, [int(c) for c in args.context_sweep.split(",")], variants)
+        context_sweep(args.reps, [int(c) for c in args.context_sweep.split(",")], variants, args.wave)
         return
     if args.split_sweep:
         split_sweep(args.reps, [int(c) for c in args.split_sweep.split(",")])
