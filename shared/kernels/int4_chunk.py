@@ -93,7 +93,7 @@ if HAVE_GLUON:
             must = e_page == e_page
         if must:
             m_new = gl.maximum(m_i, m_chunk)
-            e_new = e_page + LAZY  # headroom where F may stay
+            e_new = e_page + (1 if LAZY else 0)  # headroom where F may stay
             acc, accm, mb, l_i = rescale(acc, accm, mb, l_i, gl.exp2(m_i - m_new), e_cur, e_new)
             m_i = m_new
             e_cur = e_new
