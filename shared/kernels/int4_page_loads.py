@@ -59,8 +59,9 @@ if HAVE_GLUON:
 # shared-memory slot RING - 1 chunks ahead, and reads them back into the fragments where they are used.
 # Every lane copies 16-byte units: K rows and V rows 2 each, and one unit of the small runs.
 if HAVE_GLUON:
-    RING_UNITS = gl.constexpr(32)  # 16-byte units of a slot's small runs: 0-7 the K s codes, 8-15 the V codes,
-    # 16 the K and V headers
+    # 16-byte units of a slot's small runs (17 used: 0-7 the K s codes, 8-15 the V codes, 16 the K and V
+    # headers; a power of two, and each run's slice starts at a multiple of its length, as Gluon wants)
+    RING_UNITS = gl.constexpr(32)
 
     @gluon.constexpr_function
     def v_ring_layout():
@@ -80,10 +81,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def ring_offsets(kvh, rec, V_OFF: gl.constexpr, VS_OFF: gl.constexpr, BS: gl.constexpr, D: gl.constexpr):
-        """Word offsets inside a page's layer region of what a chunk copies (its first chunk of the page):
-        K rows, V rows [16, D/8]; the small units [32, 4] (the head's K s codes from its K record `rec`,
-        the V codes, the K and V headers; [128] words, a unit a lane), which of them move with the
-        chunk's rows, which are copied."""
+        """Word offsets inside a page's layer region of what a chunk copies (the page's first chunk; a
+        chunk further in adds its rows, `ring_issue`): K rows, V rows [16, D/8]; the small runs' 128
+        words, a 16-byte unit a lane (units 0-7 the head's K s codes from its K record `rec`, 8-15 the
+        V codes, 16 the K and V headers), which of them move with the chunk's rows, which are copied."""
         CPK: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0])
         rk = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, CPK))
         wk = gl.arange(0, D // 8, layout=gl.SliceLayout(0, CPK))
