@@ -23,7 +23,8 @@ Decode is memory-bound, so what matters is bytes in flight and whole waves:
 - A sequence's KV heads launched side by side (they read the same pages at about the same time):
   always for bf16, for fp16 where one split's programs take more than a wave (+1 % at 256 x 1024).
 - bf16 pages: p . v as one dot with p's lo bf16 part in the padding query rows (LO_ROWS: 168
-  registers against two dots' 213), the launch picked by each variant's own waves (`decode_tiles.py`).
+  registers against two dots' 213), the launch picked by each variant's own waves (`decode_tiles.py`);
+  fp16 pages take 128-token tiles at 5 stages where the whole launch fits one wave.
 - Per-format tiles (`decode_tiles.TILES`) come from benchmarks/decode_sweep.py on the H200; int8 reads its codes
   as 32-bit words decoded into even/odd channel halves (`_split_tile`), which keeps Triton from
   gathering single bytes out of shared memory for the dot operands.
@@ -355,7 +356,7 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
         if lo_rows is None and tiles.lo_rows_deep_stages and own_tile and llama_shape and 2 * G <= block_h:
             args, splits = lo_rows_launch(args, splits, tiles.lo_rows_deep_stages, B, L.kv_heads,
                                           meta.max_prefix_len + 1, sms, block_n, resident_in)
-        if tiles.one_wave and own_tile and llama_shape:
+        if tiles.one_wave and own_tile and llama_shape and maxnreg is None:  # (a cap the caller set stays)
             args, splits = one_wave_launch(args, splits, tiles.one_wave, B, L.kv_heads, meta.max_prefix_len + 1,
                                            sms, resident_in)
     return launch_split(decode_kernel, out, L.kv_heads, splits, args)
