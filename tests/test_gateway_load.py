@@ -75,8 +75,12 @@ async def test_second_gateway_routes_around_load_it_did_not_send(tmp_path):
             assert (idle.running, idle.waiting, idle.pending) == (0, 0, 0)
 
             long_calls = [asyncio.create_task(post(port_a, LONG)) for _ in range(3)]
-            await _until(lambda: router_b.workers[w1.address].reported_load >= 3, 20.0,
-                         "gateway B never saw worker 1's load")
+            await _until(lambda: router_b.workers[w1.address].reported_load >= 3 or any(t.done() for t in long_calls),
+                         20.0, "gateway B never saw worker 1's load")
+            for t in long_calls:
+                if t.done():
+                    t.result()  # a long call that failed says why
+            assert router_b.workers[w1.address].reported_load >= 3, "worker 1 went idle before B saw its load"
             assert router_b.workers[w1.address].in_flight == 0  # none of it is B's own
             before = (await w2.runtime.engine.run(lambda e: e.stats())).prompt_tokens
             shorts = [await post(port_b, 2) for _ in range(6)]

@@ -191,3 +191,24 @@ def test_reported_load_of_other_gateways_steers_routing():
     assert r.route(len(p), hs, none).decode == D1
     r.report_load(D1, -1)  # nonsense from a worker is clamped
     assert r.workers[D1].reported_load == 0
+
+
+def test_late_health_answers_do_not_take_a_busy_worker_down():
+    """A health check that gets no answer in time (a worker busy with a long step) keeps the worker up
+    and its last reported load; LATE_CHECKS_DOWN late answers in a row take it down, a definite "not
+    serving" or "unreachable" at once, and one answer brings it back."""
+    from kvmesh.gateway.router import LATE_CHECKS_DOWN
+
+    r = router(prefill=(), decode=(D1, D2), seed=3)
+    assert r.observe(D1, True, 3) is False and r.workers[D1].reported_load == 3
+    for _ in range(LATE_CHECKS_DOWN - 1):
+        assert r.observe(D1, None, None) is False
+        assert r.workers[D1].healthy and r.workers[D1].reported_load == 3  # busy, not idle
+    assert r.healthy("decode") == [D1, D2]
+    assert r.observe(D1, None, None) is True  # the last late answer in a row
+    assert not r.workers[D1].healthy and r.workers[D1].reported_load == 0
+    assert r.healthy("decode") == [D2]
+    assert r.observe(D1, True, 1) is True and r.workers[D1].healthy and r.workers[D1].reported_load == 1
+    assert r.observe(D1, None, None) is False and r.workers[D1].late_checks == 1
+    assert r.observe(D1, True, None) is False and r.workers[D1].late_checks == 0  # an answer resets the count
+    assert r.observe(D2, False, None) is True and r.healthy("decode") == [D1]  # unreachable: down at once

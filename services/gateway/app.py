@@ -101,12 +101,11 @@ async def _health_loop(gw: Gateway) -> None:
         results = await asyncio.gather(*(c.healthy(timeout=timeout) for c in clients),
                                        *(c.load(roles[c.address], timeout=timeout) for c in clients))
         for client, ok, load in zip(clients, results[:len(clients)], results[len(clients):]):
-            if gw.router.workers[client.address].healthy != ok:
-                log.warning("worker %s is now %s", client.address, "up" if ok else "down")
-            gw.router.mark(client.address, ok)
-            # other gateways' requests too; none known (no answer) counts as only ours
-            gw.router.report_load(client.address, 0 if load is None else
-                                  max(load.running + load.waiting, load.pending))
+            # other gateways' requests count too (the worker's own count)
+            reported = None if load is None else max(load.running + load.waiting, load.pending)
+            if gw.router.observe(client.address, ok, reported):
+                log.warning("worker %s is now %s", client.address,
+                            "up" if gw.router.workers[client.address].healthy else "down")
         await asyncio.sleep(gw.cfg.health_interval_s)
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 REASONS = ("hit", "miss_short_prefix", "miss_evicted", "miss_cold", "routed_away_for_load")
+LATE_CHECKS_DOWN = 3  # health checks in a row without an answer in time before a worker counts as down
 
 
 class NoWorkerError(RuntimeError):
@@ -45,6 +46,8 @@ class WorkerState:
     healthy: bool = True
     reported_load: int = 0
     """What the worker last said it carries (Load RPC, polled with health): every gateway's requests."""
+    late_checks: int = 0
+    """Health checks in a row that got no answer in time (`Router.observe`)."""
 
     @property
     def load(self) -> int:
@@ -111,6 +114,23 @@ class Router:
 
     def report_load(self, address: str, load: int) -> None:
         self.workers[address].reported_load = max(0, load)
+
+    def observe(self, address: str, healthy: Optional[bool], load: Optional[int]) -> bool:
+        """One health poll of a worker: `healthy` True or False (it serves or not, or is unreachable),
+        None (no answer in time); `load` as it reported it, None without an answer. A late answer is not
+        a death: a worker busy with a long step answers late, and marking it down would turn away
+        requests it can take; LATE_CHECKS_DOWN late answers in a row do. Without a load report the last
+        one stands (busy is not idle) unless the worker is down. Returns whether it went up or down."""
+        w = self.workers[address]
+        w.late_checks = 0 if healthy is not None else w.late_checks + 1
+        up = healthy if healthy is not None else w.healthy and w.late_checks < LATE_CHECKS_DOWN
+        changed = up != w.healthy
+        w.healthy = up
+        if load is not None:
+            w.reported_load = max(0, load)
+        elif not up:
+            w.reported_load = 0
+        return changed
 
     def begin(self, address: str, prefill_tokens: int = 0) -> None:
         w = self.workers[address]

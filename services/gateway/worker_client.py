@@ -38,11 +38,13 @@ class WorkerClient:
     def generate(self, req: pb.GenerateRequest, timeout: float) -> grpc.aio.UnaryStreamCall:
         return self._decode.Generate(req, timeout=timeout)
 
-    async def healthy(self, timeout: float = 1.0) -> bool:
+    async def healthy(self, timeout: float = 1.0) -> Optional[bool]:
+        """True if the worker says it serves, False if it says not or cannot be reached, None if it did
+        not answer in time (busy or hung: the router decides after how many, `Router.observe`)."""
         try:
             reply = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
-        except grpc.aio.AioRpcError:
-            return False
+        except grpc.aio.AioRpcError as e:
+            return None if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def load(self, role: str, timeout: float = 1.0) -> Optional[pb.LoadReply]:
