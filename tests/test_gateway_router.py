@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from kvmesh.gateway.router import NoWorkerError, Prefix, Router
+from kvmesh.gateway.router import LATE_CHECKS_DOWN, NoWorkerError, Prefix, Router
 from kvmesh.hashing import HashContext, block_hashes
 
 BS = 16
@@ -197,8 +197,6 @@ def test_late_health_answers_do_not_take_a_busy_worker_down():
     """A health check that gets no answer in time (a worker busy with a long step) keeps the worker up
     and its last reported load; LATE_CHECKS_DOWN late answers in a row take it down, a definite "not
     serving" or "unreachable" at once, and one answer brings it back."""
-    from kvmesh.gateway.router import LATE_CHECKS_DOWN
-
     r = router(prefill=(), decode=(D1, D2), seed=3)
     assert r.observe(D1, True, 3) is False and r.workers[D1].reported_load == 3
     for _ in range(LATE_CHECKS_DOWN - 1):

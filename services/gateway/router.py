@@ -125,11 +125,9 @@ class Router:
         w.late_checks = 0 if healthy is not None else w.late_checks + 1
         up = healthy if healthy is not None else w.healthy and w.late_checks < LATE_CHECKS_DOWN
         changed = up != w.healthy
-        w.healthy = up
-        if load is not None:
-            w.reported_load = max(0, load)
-        elif not up:
-            w.reported_load = 0
+        self.mark(address, up)
+        if load is not None or not up:
+            self.report_load(address, 0 if load is None else load)
         return changed
 
     def begin(self, address: str, prefill_tokens: int = 0) -> None:
