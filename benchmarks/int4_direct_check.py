@@ -134,14 +134,15 @@ def context_sweep(reps: int, contexts: list[int], variants: list[str], wave: int
     1,024 tokens and more), for each variant."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     batch = sms * wave // kb.KVH
-    times: dict = {v: [] for v in variants}
+    labels = [v if variants.index(v) == i else f"{v} #{variants[:i + 1].count(v)}" for i, v in enumerate(variants)]
+    times: dict = {label: [] for label in labels}  # a variant named twice is timed and fitted twice
     for ctx in contexts:
         cache, meta, q, kn, vn = kb.decode_problem("int4", kb.decode_case(batch, ctx))
-        for name in variants:
+        for name, label in zip(variants, labels):
             fn, kw = variant(name)
             kw = dict(kw, splits=1)
             t = kb.time_ms(lambda: fn(cache, 0, q, kn, vn, meta, kb.D ** -0.5, **kw), reps)
-            times[name].append(t * 1000)
+            times[label].append(t * 1000)
             log(f"  {name} {batch} x {ctx}: {t * 1000:.1f} us")
         page_head_bytes = cache.layout.layer_bytes // kb.KVH  # a head's share of a page (one layer)
         del cache
