@@ -73,22 +73,37 @@ def test_smollm2_greedy_triton_equals_torch_fp16_kv():
     assert identical >= len(ref) - 1
 
 
+QUANT_TIE_NATS = 0.25  # fp8/int8 KV: fp16 operands (Triton) against fp32 (torch) over 30 layers
+
+
 @gpu
-def test_smollm2_quantized_kv_report():
+def test_smollm2_quantized_kv_parts_only_at_near_ties():
     """fp8 / int8 / int4 KV: the pages are byte-identical between backends (tested elsewhere) and only
-    the attention's summation order and fp16 operands differ. fp8 and int8 must agree on at least
-    half of the continuations; int4 is only reported (H200, 2026-11-30: fp8 2/4, int8 2/4, int4 1/4):
-    one layer's rounding difference moves the next layer's K/V across int4 codes, 1/15 of a range."""
+    the attention's summation order and fp16 operands differ, so a continuation may part, but for fp8
+    and int8 only where the Triton path takes the torch path's second-best token and the two lie within
+    QUANT_TIE_NATS (H200, 2026-12-02: fp8 1/4 identical, parting at gaps of 0.016-0.047 nats, the
+    plain kernel 1/4 at up to 0.125; int8 3/4, 0.023). int4 is only reported: one layer's rounding
+    difference moves the next layer's K/V across int4 codes, 1/15 of a range."""
     for kv in ("fp8", "int8", "int4"):
-        a, b = [t for t, _ in _greedy("torch", kv)], [t for t, _ in _greedy("triton", kv)]
-        same = sum(x == y for x, y in zip(a, b))
-        print(f"SmolLM2 {kv} KV: torch vs triton identical continuations {same}/{len(a)}")
-        assert all(len(x) == NEW_TOKENS for x in b)
-        if kv != "int4":
-            assert same >= len(a) // 2, f"{kv}: only {same}/{len(a)} continuations agree"
+        ref, got = _greedy("torch", kv), _greedy("triton", kv)
+        same = 0
+        for i, ((a, a_top), (b, b_top)) in enumerate(zip(ref, got)):
+            assert len(b) == NEW_TOKENS
+            j = _first_divergence(a, b)
+            if j is None:
+                same += 1
+                continue
+            gap = a_top[j][0][1] - a_top[j][1][1]
+            print(f"SmolLM2 {kv} KV, prompt {i}: parts at token {j}, torch top-2 gap {gap:.4f} nats")
+            if kv != "int4":
+                assert b[j] in {t for t, _ in a_top[j]} and gap < QUANT_TIE_NATS, (
+                    f"{kv}, prompt {i}: Triton parts from torch at token {j} away from a tie: torch top-2 "
+                    f"{a_top[j]}, triton top-2 {b_top[j]}")
+        print(f"SmolLM2 {kv} KV: torch vs triton identical continuations {same}/{len(ref)}")
+
 
 if __name__ == "__main__":
     test_smollm2_greedy_triton_equals_torch_fp16_kv()
     print("SmolLM2 fp16 KV: Triton == torch")
-    test_smollm2_quantized_kv_report()
+    test_smollm2_quantized_kv_parts_only_at_near_ties()
     sys.exit(0)
