@@ -9,7 +9,8 @@ timing beside SDPA and the tile kernel (decode_int4.py), every variant in one ru
 2. Decode 64x4096, 16x16384, 256x1024, 8x32768 as benchmarks/kernels.py times them (CUDA graph of
    10 calls, median of replays): speedup against SDPA over contiguous fp16 K/V.
 --split-sweep times forced split counts instead; --context-sweep one wave of programs at growing
-contexts, for each of --variants (a program's fixed cost, and the streaming rate of the pages).
+contexts, for each of --variants (a program's fixed cost, and the streaming rate of the pages; with
+--fixed-pool in one pool size); --pool-sweep each case's pages scattered over larger pools.
 """
 from __future__ import annotations
 
@@ -127,17 +128,38 @@ def split_sweep(reps: int, counts: list[int]) -> None:
         torch.cuda.empty_cache()
 
 
-def context_sweep(reps: int, contexts: list[int], variants: list[str], wave: int = 16) -> None:
+def pool_sweep(reps: int, factors: list[int], variants: list[str]) -> None:
+    """Each case's pages scattered over pools `factors` times its size (the benchmark's pool is the
+    case's own 0.32 GB; a serving engine's is tens of GB): speedup against SDPA for each variant."""
+    print(f"\n| case | variant | {' | '.join(f'pool x{f}' for f in factors)} |\n|---|---{'|---' * len(factors)}|")
+    for batch, ctx in kb.DECODE_CASES:
+        case = kb.decode_case(batch, ctx)
+        t_sdpa, _ = kb.time_sdpa(case, reps)
+        cells: dict = {v: [] for v in variants}
+        for f in factors:
+            cache, meta, q, kn, vn = kb.decode_problem("int4", case, pool_pages=f * case.n_pages)
+            for name in variants:
+                fn, kw = variant(name)
+                cells[name].append(t_sdpa / kb.time_ms(lambda: fn(cache, 0, q, kn, vn, meta, kb.D ** -0.5, **kw), reps))
+            del cache
+            torch.cuda.empty_cache()
+        for name, xs in cells.items():
+            print(f"| {batch}x{ctx} | {name} | {' | '.join(f'{x:.2f}x' for x in xs)} |", flush=True)
+
+
+def context_sweep(reps: int, contexts: list[int], variants: list[str], wave: int = 16, fixed_pool: bool = False) -> None:
     """One wave of programs (`wave` an SM: sequences x KV heads, one split each, each variant's own
     register cap; the ring holds 16 an SM, the register loads 12) at growing contexts: time = a fixed
     cost a program + the pages' bytes at a streaming rate (a least-squares line over the contexts of
-    1,024 tokens and more), for each variant."""
+    1,024 tokens and more), for each variant. The pool grows with the context, and a token costs more
+    in a larger pool (eighteenth session); `fixed_pool`: every context's pages in the largest's pool."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     batch = sms * wave // kb.KVH
+    pool = batch * max(contexts) // kb.BS if fixed_pool else 0
     labels = [v if variants.index(v) == i else f"{v} #{variants[:i + 1].count(v)}" for i, v in enumerate(variants)]
     times: dict = {label: [] for label in labels}  # a variant named twice is timed and fitted twice
     for ctx in contexts:
-        cache, meta, q, kn, vn = kb.decode_problem("int4", kb.decode_case(batch, ctx))
+        cache, meta, q, kn, vn = kb.decode_problem("int4", kb.decode_case(batch, ctx), pool_pages=pool)
         for name, label in zip(variants, labels):
             fn, kw = variant(name)
             kw = dict(kw, splits=1)
@@ -168,10 +190,15 @@ def main() -> None:
     ap.add_argument("--split-sweep", default="", help="e.g. 1,2,3,4,8: time these split counts instead")
     ap.add_argument("--context-sweep", default="", help="e.g. 16,256,1024,2048,4096: a wave's fixed cost and rate")
     ap.add_argument("--wave", type=int, default=16, help="--context-sweep: programs an SM in its one wave")
+    ap.add_argument("--fixed-pool", action="store_true", help="--context-sweep: one pool size for every context")
+    ap.add_argument("--pool-sweep", default="", help="e.g. 1,4,16: each case's pages over pools that many times its size")
     args = ap.parse_args()
     variants = args.variants.split(";" if ";" in args.variants else ",")
     if args.context_sweep:
-        context_sweep(args.reps, [int(c) for c in args.context_sweep.split(",")], variants, args.wave)
+        context_sweep(args.reps, [int(c) for c in args.context_sweep.split(",")], variants, args.wave, args.fixed_pool)
+        return
+    if args.pool_sweep:
+        pool_sweep(args.reps, [int(f) for f in args.pool_sweep.split(",")], variants)
         return
     if args.split_sweep:
         split_sweep(args.reps, [int(c) for c in args.split_sweep.split(",")])

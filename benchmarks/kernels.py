@@ -118,11 +118,12 @@ def model_dtype_for(kv: str) -> torch.dtype:
 
 
 def filled_cache(kv: str, k_rows: torch.Tensor, v_rows: torch.Tensor, n_pages: int,
-                 perm: torch.Tensor, model_dtype: torch.dtype | None = None) -> KVCache:
-    """A one-layer cache whose page perm[i] holds rows i*BS..(i+1)*BS of k_rows/v_rows [N, KVH, D]."""
+                 perm: torch.Tensor, model_dtype: torch.dtype | None = None, pool_pages: int = 0) -> KVCache:
+    """A one-layer cache whose page perm[i] holds rows i*BS..(i+1)*BS of k_rows/v_rows [N, KVH, D]; a
+    pool of max(n_pages, pool_pages) pages (perm's entries below it)."""
     layout = BlockLayout(num_layers=1, kv_heads=KVH, head_dim=D, block_size=BS, kv_dtype=kv)
     dt = model_dtype or model_dtype_for(kv)
-    cache = KVCache(layout, n_pages, 1, dt, "cuda")
+    cache = KVCache(layout, max(n_pages, pool_pages), 1, dt, "cuda")
     rows = torch.arange(n_pages * BS, device="cuda").view(n_pages, BS) + BS  # S = 1 slot, then new rows
     for i in range(0, n_pages, 8192):
         j = min(n_pages, i + 8192)
@@ -165,12 +166,16 @@ def decode_case(batch: int, ctx: int) -> DecodeCase:
     return DecodeCase(batch, ctx, k_rows, v_rows, perm, qs, g)
 
 
-def decode_problem(kv: str, case: DecodeCase, model_dtype: torch.dtype | None = None):
+def decode_problem(kv: str, case: DecodeCase, model_dtype: torch.dtype | None = None, pool_pages: int = 0):
     """(cache, meta, q [B, H, D], new k, new v [B, KVH, D]) of one decode case over `kv` pages, in a
-    model of `model_dtype` (default: the one kv's rows come from); new K/V from the case's generator."""
+    model of `model_dtype` (default: the one kv's rows come from); new K/V from the case's generator.
+    pool_pages > the case's pages: its pages scattered over a pool that large (a serving engine's)."""
     dt = model_dtype or model_dtype_for(kv)
-    cache = filled_cache(kv, case.k_rows, case.v_rows, case.n_pages, case.perm, dt)
-    meta = decode_meta(case.batch, case.ctx, case.perm, cache.layout)
+    perm = case.perm
+    if pool_pages > case.n_pages:  # distinct random pages of the larger pool, in the case's order
+        perm = torch.randperm(pool_pages, device="cuda", generator=case.gen)[:case.n_pages][perm]
+    cache = filled_cache(kv, case.k_rows, case.v_rows, case.n_pages, perm, dt, pool_pages)
+    meta = decode_meta(case.batch, case.ctx, perm, cache.layout)
     q = case.qs[:, :, 0].to(dt).contiguous()
     kn = torch.randn(case.batch, KVH, D, device="cuda", dtype=dt, generator=case.gen)
     vn = torch.randn(case.batch, KVH, D, device="cuda", dtype=dt, generator=case.gen)
