@@ -70,7 +70,7 @@ if HAVE_GLUON:
         out. Every step is a 4-partial pass, where one program combining 16-64 partials waited on
         them in turn. Counters: TREE_COUNTERS a (sequence, KV head), level 0's groups from 0, level
         1's from 16, level 2's at 20; each reset by the program that finishes its group."""
-        base = (b * KVH + kvh) * 32
+        base = (b * KVH + kvh) * 32  # TREE_COUNTERS
         active = split >= 0
         for L in gl.static_range(TREE):
             g = split >> (2 * L + 2)  # this split's group at level L
@@ -158,18 +158,18 @@ if HAVE_GLUON:
             lse = gl.where(l_i > 0.0, m_i + gl.log2(gl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
             gl.store(part_lse_ptr + (b.to(gl.int64) * (KVH * G) + kvh * G + hh) * num_splits + split, lse,
                      mask=hh < G)
-            if FUSED and TREE > 0:
+            if FUSED:
                 cta_barrier()  # every lane's partial is written before the count says so
-                reduce_tree(part_out_ptr, part_lse_ptr, out_ptr, count_ptr, b, kvh, split, stride_ob, stride_oh,
-                            num_splits, KVH, G, D, NH, TREE)
-            elif FUSED:
-                cta_barrier()  # every lane's partial is written before the count says so
-                done = gl.atomic_add(count_ptr + b * KVH + kvh, 1, sem="acq_rel", scope="gpu")
-                if done == num_splits - 1:
-                    for h0 in gl.static_range(0, NH, 8):
-                        reduce_partials(part_out_ptr, part_lse_ptr, out_ptr, b, kvh, stride_ob, stride_oh,
-                                        num_splits, KVH, G, D, RMAX, h0)
-                    gl.store(count_ptr + b * KVH + kvh, 0)  # ready for the next launch
+                if TREE > 0:
+                    reduce_tree(part_out_ptr, part_lse_ptr, out_ptr, count_ptr, b, kvh, split, stride_ob,
+                                stride_oh, num_splits, KVH, G, D, NH, TREE)
+                else:
+                    done = gl.atomic_add(count_ptr + b * KVH + kvh, 1, sem="acq_rel", scope="gpu")
+                    if done == num_splits - 1:
+                        for h0 in gl.static_range(0, NH, 8):
+                            reduce_partials(part_out_ptr, part_lse_ptr, out_ptr, b, kvh, stride_ob, stride_oh,
+                                            num_splits, KVH, G, D, RMAX, h0)
+                        gl.store(count_ptr + b * KVH + kvh, 0)  # ready for the next launch
         else:
             op = out_ptr + b.to(gl.int64) * stride_ob + ((kvh * G + hr) * stride_oh)[:, None] + cr[None, :]
             gl.store(op, rows.to(out_ptr.dtype.element_ty), mask=(hr < G)[:, None])
