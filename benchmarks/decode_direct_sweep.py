@@ -36,8 +36,7 @@ VARIANTS_8 = [("default", dict()), ("tail first", dict(tail_first=True)), ("tail
               ("l2 hint", dict(loads_with=dict(l2_prefetch=128))),
               ("l1 no-allocate", dict(loads_with=dict(l1_no_allocate=3))),
               ("l1 no-allocate k", dict(loads_with=dict(l1_no_allocate=1))),
-              ("l1 no-allocate off", dict(loads_with=dict(l1_no_allocate=0))),
-              ("tree", dict(tree=True))]  # past 4 splits the fused reduction in 4-way levels (reduce_tree)
+              ("l1 no-allocate off", dict(loads_with=dict(l1_no_allocate=0)))]
 VARIANTS_16 = [("plain", dict(plain=True, heads_first=False)),
                ("plain heads first", dict(plain=True, heads_first=True)),
                ("engine", dict(plain=True)),  # the format's own tile and choices

@@ -33,7 +33,7 @@ from kvmesh.kernels.torch_ref import TorchBackend  # noqa: E402
 VARIANTS = {"default": {}, "nocap": dict(maxnreg=None), "cap128": dict(maxnreg=128), "cap144": dict(maxnreg=144),
             "cap152": dict(maxnreg=152), "cap168": dict(maxnreg=168), "unfused": dict(fused=False), "nopf": dict(l2_prefetch=False),
             "tail_last": dict(tail_first=False), "l1na": dict(l1_no_allocate=True),
-            "l1na_off": dict(l1_no_allocate=False), "registers": dict(ring=0), "tree": dict(tree=True)}
+            "l1na_off": dict(l1_no_allocate=False), "registers": dict(ring=0)}
 # and "mod_<name>[:k=v,...]": the kernel of kernels/_<name>_int4_direct.py with those integer keyword
 # arguments (git-ignored copies: "mod_baseline" an earlier version, others an experiment)
 TOL = 2e-3
@@ -54,9 +54,7 @@ def correctness(name: str = "default") -> bool:
         runs = [({}, {}), ({}, dict(splits=7)), ({}, dict(splits=3)), ({}, dict(l2_prefetch=False)),
                 ({}, dict(l2_prefetch=False, splits=3)), ({}, dict(tail_first=False)), ({}, dict(tail_first=False, splits=3)),
                 ({}, dict(tail_first=False, splits=7, fused=False)), (dict(first_page=70_000, num_layers=1, layer=0), {}),
-                ({}, dict(ring=0)), ({}, dict(ring=0, splits=3)),  # the register loads where the ring serves
-                ({}, dict(splits=7, tree=True)), ({}, dict(splits=16, tree=True)),  # reduce_tree: 2 levels
-                ({}, dict(splits=33, tree=True))]  # 3 levels, ragged last groups
+                ({}, dict(ring=0)), ({}, dict(ring=0, splits=3))]  # the register loads where the ring serves
         for extra, kw in runs:
             try:
                 case = dict(kv_heads=8, device="cuda", model_dtype=dt, **extra)

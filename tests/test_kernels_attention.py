@@ -234,13 +234,6 @@ def test_num_splits_from_shapes():
     assert [resident_programs(r, 0, 1, 233472) for r in (128, 144, 168)] == [16, 12, 12]
 
 
-def test_tree_levels_cover_the_splits():
-    from kvmesh.kernels.split_partials import tree_levels
-    # up to 4 splits one fused pass; then 4-way levels until one group spans them all; past 64 a second launch
-    assert [tree_levels(s) for s in (1, 4, 5, 16, 17, 33, 64, 65)] == [0, 0, 2, 2, 3, 3, 3, 0]
-    assert all(4 ** tree_levels(s) >= s > 4 ** (tree_levels(s) - 1) or s <= 4 for s in range(2, 17))
-
-
 def test_register_option_by_issue_bound_cost():
     """The INT4 kernel's register cap: 16 programs an SM (128 registers, chunks 6 % slower) only where
     12 would leave a part-full last wave."""
@@ -343,16 +336,13 @@ def test_gpu_direct_decode(kv, gqa, head_dim, bs):
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "int8"])
 @pytest.mark.parametrize("gqa,head_dim,bs", [(4, 128, 16), (8, 64, 32), (3, 128, 16), (16, 128, 16)])
 def test_gpu_direct_reductions(kv, gqa, head_dim, bs):
-    # the last split's one-pass reduction over 3, 4 and (forced) 7 splits, some of them empty, the
-    # second launch past FUSED_MAX_SPLITS, and reduce_tree's levels; fp16 and bf16 models
+    # the last split's one-pass reduction over 3, 4 and (forced) 7 splits, some of them empty, and
+    # the second launch past FUSED_MAX_SPLITS; fp16 and bf16 models
     lens = [0, 17, 1000, 3000, 64, 2049, 511, 129, bs - 1, bs]
     for model in (torch.float16, torch.bfloat16):
         for splits, fused in ((3, None), (4, None), (7, True), (16, None)):
             check(kv, gqa, head_dim, bs, lens, [1] * len(lens), kv_heads=8, device="cuda", num_layers=2,
                   model_dtype=model, seed=splits, attend=lambda *a: decode_direct(*a, splits=splits, fused=fused))
-        for splits in (5, 16, 33):  # reduce_tree: 2 levels, 2 full ones, 3 with a ragged last group
-            check(kv, gqa, head_dim, bs, lens, [1] * len(lens), kv_heads=8, device="cuda", num_layers=2,
-                  model_dtype=model, seed=splits, attend=lambda *a: decode_direct(*a, splits=splits, tree=True))
         for splits, tail_first in ((1, True), (3, True), (3, False), (7, True)):  # the tail before or after the pages
             check(kv, gqa, head_dim, bs, lens, [1] * len(lens), kv_heads=8, device="cuda", num_layers=2,
                   model_dtype=model, seed=splits + 1,

@@ -119,9 +119,6 @@ def test_gpu_decode_int4_direct(gqa, head_dim, bs, dtype):
     check_decode(gqa, head_dim, bs, lens, seed=1, case=on_gpu, decode=decode_int4_direct)
     check_decode(gqa, head_dim, bs, lens, seed=2, case=on_gpu, decode=decode_int4_direct, splits=3)  # fused
     check_decode(gqa, head_dim, bs, lens, seed=3, case=on_gpu, decode=decode_int4_direct, splits=7)  # 2 launches
-    for splits in (5, 16, 33):  # reduce_tree: 2 levels, 2 full ones, 3 with a ragged last group
-        check_decode(gqa, head_dim, bs, lens, seed=splits, case=on_gpu, decode=decode_int4_direct, splits=splits,
-                     tree=True)
     for splits, tail_first in ((1, True), (3, True), (3, False), (7, True)):  # the tail before or after the pages
         check_decode(gqa, head_dim, bs, lens, seed=5 + splits, case=on_gpu, decode=decode_int4_direct, splits=splits,
                      tail_first=tail_first)

@@ -191,7 +191,6 @@ if HAVE_GLUON:
         FUSED: gl.constexpr,  # the last split of each (sequence, KV head) reduces the partials
         BF16: gl.constexpr,  # a bf16 model (q, new K/V, residual and output in bf16)
         RMAX: gl.constexpr = 4,  # FUSED: partials the reduction unrolls over (a power of two >= splits)
-        TREE: gl.constexpr = 0,  # FUSED: levels of 4-way combining instead (split_partials.reduce_tree)
         KSEC: gl.constexpr = False,  # K loads in whole 32-byte sectors (mma_fragments.k_layout)
         L2PF: gl.constexpr = 0,  # page loads ask L2 for this many bytes around them (0: plain loads)
         HEADS_FIRST: gl.constexpr = False,  # grid (KVH, B, splits): a sequence's heads are launched together
@@ -274,7 +273,7 @@ if HAVE_GLUON:
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
         o = acc * gl.convert_layout(1.0 / (l_safe * CMAX), gl.SliceLayout(0, MMA))[None, :]  # [D, 8]
         store_output(o, l_i, m_i, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, b, kvh, split, stride_ob,
-                     stride_oh, num_splits, KVH, G, D, PARTIAL, FUSED, RMAX, TREE)
+                     stride_oh, num_splits, KVH, G, D, PARTIAL, FUSED, RMAX)
 
 
 MAXNREG = 128  # 16 one-warp programs per SM (D <= 128); uncapped, int8's prefetching variant took 166
@@ -303,13 +302,13 @@ LOADS = {FMT_E4M3: PageLoads(l1_no_allocate=3), FMT_E5M2: PageLoads(l1_no_alloca
 
 def decode_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float, *,
                   splits: int | None = None, fused: bool | None = None, maxnreg: int | None = None,
-                  loads: PageLoads | None = None, tail_first: bool | None = None, tree: bool = False) -> torch.Tensor:
+                  loads: PageLoads | None = None, tail_first: bool | None = None) -> torch.Tensor:
     """out [B, H, D] for q [B, H, D] fp16 or bf16 (one new token per sequence; k/v [B, KVH, D] its new
     K/V) over 8-bit pages; `supports` must hold and the caller (`decode_attention`) has checked the
     arguments. `splits` overrides the split count (from shapes and the compiled kernel's residency),
     `fused` whether the last split reduces (None: up to FUSED_MAX_SPLITS splits), `maxnreg` the
     register cap, `loads` the format's entry in LOADS, `tail_first` whether the last split takes its
-    tail before its pages (None: as `loads` says), `tree` fused reduction past 4 splits (`launch_direct`)."""
+    tail before its pages (None: as `loads` says)."""
     fmt = FMT_CODES[cache.layout.kv_dtype]
     nh = head_columns(q.shape[1] // cache.layout.kv_heads)
     if maxnreg is None and nh == 16:
@@ -318,7 +317,7 @@ def decode_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.
         cap = maxnreg or (MAXNREG if q.shape[2] <= 128 else None)
     lo = loads or LOADS[fmt]
     return launch_direct(decode_direct_kernel, "direct", cache, layer, q, k, v, meta, scale, splits=splits,
-                         fused=fused, maxnreg=cap, tree=tree, FMT=fmt, CMAX=CODE_MAX[fmt], KSEC=lo.k_sectors,
+                         fused=fused, maxnreg=cap, FMT=fmt, CMAX=CODE_MAX[fmt], KSEC=lo.k_sectors,
                          L2PF=lo.l2_prefetch, HEADS_FIRST=lo.heads_first and q.shape[0] < 65536,
                          TAIL_FIRST=lo.tail_first if tail_first is None else tail_first, NH=nh,
                          L1NA=lo.l1_no_allocate)

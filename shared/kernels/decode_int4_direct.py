@@ -138,7 +138,6 @@ if HAVE_GLUON:
         FUSED: gl.constexpr, BF16: gl.constexpr,
         L2PF: gl.constexpr,  # ask L2 for chunk c + 2 while chunk c + 1 loads
         RMAX: gl.constexpr = 4,  # FUSED: partials the reduction unrolls over (a power of two >= splits)
-        TREE: gl.constexpr = 0,  # FUSED: levels of 4-way combining instead (split_partials.reduce_tree)
         TAIL_FIRST: gl.constexpr = False,  # the last split takes its tail while its first chunk loads
         L1NA: gl.constexpr = False,  # the K and V row loads allocate no L1 line (each byte is read once)
         NH: gl.constexpr = 8,  # the MMAs' head columns: 8 (G <= 8) or 16 (G <= 16: two n-tiles)
@@ -336,14 +335,14 @@ if HAVE_GLUON:
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
         o = (acc + mb[None, :]) * (1.0 / l_safe)[None, :]
         store_output(o, l_i, m_i, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, b, kvh, split, stride_ob,
-                     stride_oh, num_splits, KVH, G, D, PARTIAL, FUSED, RMAX, TREE)
+                     stride_oh, num_splits, KVH, G, D, PARTIAL, FUSED, RMAX)
 
 
 def decode_int4_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float, *,
                        splits: int | None = None, fused: bool | None = None,
                        maxnreg: int | None = -1,
                        l2_prefetch: bool = True, tail_first: bool = True,
-                       l1_no_allocate: bool = True, ring: int = RING, tree: bool = False) -> torch.Tensor:
+                       l1_no_allocate: bool = True, ring: int = RING) -> torch.Tensor:
     """out [B, H, D] for q [B, H, D] fp16 or bf16 (one new token per sequence; k/v [B, KVH, D] its new
     K/V) over int4 pages; `supports` must hold and the caller has checked the arguments. `splits`
     overrides the split count, `fused` whether the last split reduces (None: up to
@@ -351,13 +350,12 @@ def decode_int4_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: t
     REGISTER_OPTIONS, the cheaper for the shape, none at 16 head columns or head_dim 256; None:
     none), `tail_first` whether the last split takes its tail before its pages, `l1_no_allocate`
     whether its row loads skip L1 (register loads), `ring` the cp.async ring's depth where it serves
-    (head_dim 128, G <= 8; 0: register loads), `tree` fused reduction past 4 splits (`launch_direct`).
-    G 9-16 run two MMA n-tiles (see ROUTED_GROUP)."""
+    (head_dim 128, G <= 8; 0: register loads). G 9-16 run two MMA n-tiles (see ROUTED_GROUP)."""
     nh = head_columns(q.shape[1] // cache.layout.kv_heads)
     ring = ring if q.shape[2] == 128 and nh == 8 else 0
     if maxnreg == -1:  # head_dim 256 and 16 head columns spill under any cap that keeps more programs
         maxnreg = (RING_REGISTER_CAP if ring else
                    {64: REGISTER_CAP_D64, 128: REGISTER_OPTIONS}.get(q.shape[2]) if nh == 8 else None)
     return launch_direct(decode_int4_direct_kernel, "int4-direct", cache, layer, q, k, v, meta, scale,
-                         splits=splits, fused=fused, maxnreg=maxnreg, tree=tree, RING=ring,
+                         splits=splits, fused=fused, maxnreg=maxnreg, RING=ring,
                          L2PF=l2_prefetch, TAIL_FIRST=tail_first, L1NA=l1_no_allocate, NH=nh)

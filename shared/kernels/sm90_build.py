@@ -161,12 +161,11 @@ CASES = [(k, 128, 4, 128) for k in ("int4", "fp8_e4m3", "fp8_e5m2", "int8")] + [
     ("int4", 128, 16, None)]
 
 
-def build_report(cases=CASES, tree: int = 0) -> list[dict]:
-    """What each case's build is made of; `tree`: with split_partials.reduce_tree's levels."""
+def build_report(cases=CASES) -> list[dict]:
     report = []
     for name, d, g, cap in cases:
         kernel, kv_dtype, extra = kernel_of(name)
-        sass, meta = compile_sass(kernel, kv_dtype, d, g, 16, {**extra, "TREE": tree}, cap, True, False)
+        sass, meta = compile_sass(kernel, kv_dtype, d, g, 16, extra, cap, True, False)
         loop = chunk_loop(instructions(sass))
         report.append({"kernel": name, "head_dim": d, "group": g, "cap": cap, **meta,
                        "loop": len(loop), "hmma": sum(op.startswith("HMMA") for _, op, _ in loop),
@@ -194,9 +193,4 @@ def bf16_launches() -> dict:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--bf16-launches"]:
-        json.dump(bf16_launches(), sys.stdout)
-    elif sys.argv[1:] == ["--tree"]:  # the fused 4-way reduction's three levels, at Llama-3-8B's heads
-        json.dump(build_report([(k, 128, 4, 128) for k in ("int4", "fp8_e4m3")], tree=3), sys.stdout)
-    else:
-        json.dump(build_report(), sys.stdout)
+    json.dump(bf16_launches() if sys.argv[1:] == ["--bf16-launches"] else build_report(), sys.stdout)

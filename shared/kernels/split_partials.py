@@ -20,16 +20,12 @@ if HAVE_GLUON:
 
     @gluon.jit
     def reduce_partials(part_out_ptr, part_lse_ptr, out_ptr, b, kvh, stride_ob, stride_oh, num_splits,
-                        KVH: gl.constexpr, G: gl.constexpr, D: gl.constexpr, RMAX: gl.constexpr, H0: gl.constexpr = 0,
-                        first=0, step=1, count=None, TO_PARTIAL: gl.constexpr = False):
+                        KVH: gl.constexpr, G: gl.constexpr, D: gl.constexpr, RMAX: gl.constexpr, H0: gl.constexpr = 0):
         """Combine every split's partial of (b, kvh), weights 2**(lse - max), into out: RMAX >=
         num_splits partials in one unrolled pass, so their loads are all in flight at once (two
         passes of dependent loads, max then sum, cost 0.7-0.9 % at 64 x 4,096, H200). Loads bypass
         L1 (.cg): the partials were written by other SMs. Heads H0 .. H0 + 7 of the group (8 at a time:
-        the unrolled pass holds RMAX partials of 8 heads in registers). A node of `reduce_tree`:
-        `count` partials from slot `first`, `step` apart, into slot `first` (TO_PARTIAL) or out."""
-        if count is None:
-            count = num_splits
+        the unrolled pass holds RMAX partials of 8 heads in registers)."""
         # 8 channels a lane: 16-byte output stores (each store holds its registers until the store unit
         # takes it, and this program's end is the launch's)
         RL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // (D // 8), D // 8],
@@ -42,10 +38,9 @@ if HAVE_GLUON:
         acc = gl.zeros([8, D], gl.float32, layout=RL)
         wsum = gl.zeros([8], gl.float32, layout=gl.SliceLayout(1, RL))
         for i in gl.static_range(RMAX):  # unrolled, online weights: no load waits for another
-            ok = hm & (i < count)  # empty splits have lse -inf: weight 0
-            at = ph + first + i * step
-            lse = gl.load(part_lse_ptr + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            o = gl.load(part_out_ptr + (at * D)[:, None] + d[None, :], mask=ok[:, None], other=0.0,
+            ok = hm & (i < num_splits)  # empty splits have lse -inf: weight 0
+            lse = gl.load(part_lse_ptr + ph + i, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            o = gl.load(part_out_ptr + ((ph + i) * D)[:, None] + d[None, :], mask=ok[:, None], other=0.0,
                         cache_modifier=".cg")
             m_new = gl.maximum(m, lse)
             a = gl.exp2(m - m_new)
@@ -54,39 +49,8 @@ if HAVE_GLUON:
             wsum = wsum * a + w
             m = m_new
         o = acc / gl.where(wsum > 0.0, wsum, 1.0)[:, None]
-        if TO_PARTIAL:  # normalized, as the splits' own partials (all empty: lse -inf, weight 0 above)
-            gl.store(part_out_ptr + ((ph + first) * D)[:, None] + d[None, :], o, mask=hm[:, None])
-            gl.store(part_lse_ptr + ph + first, m + gl.log2(wsum), mask=hm)
-        else:
-            op = out_ptr + b.to(gl.int64) * stride_ob + ((kvh * G + h) * stride_oh)[:, None] + d[None, :]
-            gl.store(op, o.to(out_ptr.dtype.element_ty), mask=hm[:, None])
-
-    @gluon.jit
-    def reduce_tree(part_out_ptr, part_lse_ptr, out_ptr, count_ptr, b, kvh, split, stride_ob, stride_oh,
-                    num_splits, KVH: gl.constexpr, G: gl.constexpr, D: gl.constexpr, NH: gl.constexpr,
-                    TREE: gl.constexpr):
-        """After this split's partial: the last of each group of 4 combines the group into its first
-        slot, level by level (TREE levels, `tree_levels`), and the last group of the top level writes
-        out. Every step is a 4-partial pass, where one program combining 16-64 partials waited on
-        them in turn. Counters: TREE_COUNTERS a (sequence, KV head), level 0's groups from 0, level
-        1's from 16, level 2's at 20; each reset by the program that finishes its group."""
-        base = (b * KVH + kvh) * 32  # TREE_COUNTERS
-        active = split >= 0
-        for L in gl.static_range(TREE):
-            g = split >> (2 * L + 2)  # this split's group at level L
-            first = g << (2 * L + 2)  # the group's first slot: its result goes there
-            members = gl.minimum(4, (num_splits - first + (1 << (2 * L)) - 1) >> (2 * L))
-            at = count_ptr + base + (16 if L >= 1 else 0) + (4 if L >= 2 else 0) + g
-            if active:
-                done = gl.atomic_add(at, 1, sem="acq_rel", scope="gpu")
-                active = done == members - 1
-                if active:
-                    gl.store(at, 0)  # ready for the next launch
-                    for h0 in gl.static_range(0, NH, 8):
-                        reduce_partials(part_out_ptr, part_lse_ptr, out_ptr, b, kvh, stride_ob, stride_oh,
-                                        num_splits, KVH, G, D, 4, h0, first, 1 << (2 * L), members,
-                                        L < TREE - 1)
-                    cta_barrier()  # every lane's node is written before the next level's count says so
+        op = out_ptr + b.to(gl.int64) * stride_ob + ((kvh * G + h) * stride_oh)[:, None] + d[None, :]
+        gl.store(op, o.to(out_ptr.dtype.element_ty), mask=hm[:, None])
 
     @gluon.jit
     def _region_lines(off, i, start, N: gl.constexpr, PER_ROW: gl.constexpr, per_row, first: gl.constexpr):
@@ -135,7 +99,7 @@ if HAVE_GLUON:
     @gluon.jit
     def store_output(o, l_i, m_i, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, b, kvh, split,
                      stride_ob, stride_oh, num_splits, KVH: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
-                     PARTIAL: gl.constexpr, FUSED: gl.constexpr, RMAX: gl.constexpr, TREE: gl.constexpr = 0):
+                     PARTIAL: gl.constexpr, FUSED: gl.constexpr, RMAX: gl.constexpr):
         """o: O^T [D, NH] normalized (MMA layout; NH = 8 or 16 head columns), its rows in logical
         channel order (row m holds memory channel (D/8) (m % 8) + m // 8), l_i / m_i [NH] the softmax
         sum and max (base 2) per head: the output, or this split's partial (RMAX: see reduce_partials).
@@ -160,42 +124,27 @@ if HAVE_GLUON:
                      mask=hh < G)
             if FUSED:
                 cta_barrier()  # every lane's partial is written before the count says so
-                if TREE > 0:
-                    reduce_tree(part_out_ptr, part_lse_ptr, out_ptr, count_ptr, b, kvh, split, stride_ob,
-                                stride_oh, num_splits, KVH, G, D, NH, TREE)
-                else:
-                    done = gl.atomic_add(count_ptr + b * KVH + kvh, 1, sem="acq_rel", scope="gpu")
-                    if done == num_splits - 1:
-                        for h0 in gl.static_range(0, NH, 8):
-                            reduce_partials(part_out_ptr, part_lse_ptr, out_ptr, b, kvh, stride_ob, stride_oh,
-                                            num_splits, KVH, G, D, RMAX, h0)
-                        gl.store(count_ptr + b * KVH + kvh, 0)  # ready for the next launch
+                done = gl.atomic_add(count_ptr + b * KVH + kvh, 1, sem="acq_rel", scope="gpu")
+                if done == num_splits - 1:
+                    for h0 in gl.static_range(0, NH, 8):
+                        reduce_partials(part_out_ptr, part_lse_ptr, out_ptr, b, kvh, stride_ob, stride_oh,
+                                        num_splits, KVH, G, D, RMAX, h0)
+                    gl.store(count_ptr + b * KVH + kvh, 0)  # ready for the next launch
         else:
             op = out_ptr + b.to(gl.int64) * stride_ob + ((kvh * G + hr) * stride_oh)[:, None] + cr[None, :]
             gl.store(op, rows.to(out_ptr.dtype.element_ty), mask=(hr < G)[:, None])
 
 
 FUSED_MAX_SPLITS = 4  # one warp reducing 16 splits' partials cost more than the second launch (H200)
-TREE_MAX_SPLITS = 64  # reduce_tree: three levels of 4
-TREE_COUNTERS = 32  # reduce_tree's counters a (sequence, KV head): 16 + 4 + 1 groups, rounded up
-
-
-def tree_levels(splits: int) -> int:
-    """Levels of 4-way combining that `reduce_tree` takes for `splits` partials: 0 where one fused
-    pass does (up to FUSED_MAX_SPLITS) or past TREE_MAX_SPLITS, else 2 (up to 16) or 3."""
-    if splits <= FUSED_MAX_SPLITS or splits > TREE_MAX_SPLITS:
-        return 0
-    return 2 if splits <= 16 else 3
 
 
 def launch_direct(kernel, tag: str, cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta,
-                  scale: float, *, splits: int | None, fused: bool | None, maxnreg, tree: bool = False,
+                  scale: float, *, splits: int | None, fused: bool | None, maxnreg,
                   **consts) -> torch.Tensor:
     """out [B, H, D] from a register-direct decode kernel (one warp a program) over the cache's pages:
     its common arguments, `consts` the kernel's own; `splits` None: from shapes and the compiled
     kernel's residency (read once per variant, `tag`); `fused` None: the last split reduces up to
-    FUSED_MAX_SPLITS splits, and with `tree` (an experiment, not yet timed) up to TREE_MAX_SPLITS
-    through `reduce_tree`; `maxnreg` None: no register cap; a tuple of (cap, relative chunk
+    FUSED_MAX_SPLITS splits; `maxnreg` None: no register cap; a tuple of (cap, relative chunk
     time) options: the one of least `slot_cost` for this launch's shape (from shapes only)."""
     L = cache.layout
     B, H, D = q.shape
@@ -205,7 +154,6 @@ def launch_direct(kernel, tag: str, cache, layer: int, q: torch.Tensor, k: torch
         bt = torch.zeros(B, 1, dtype=torch.int32, device=q.device)
     out = torch.empty_like(q)
     res = cache.residual
-    tree = tree and fused is not False and COUNTERS.get(q.device, B * L.kv_heads * TREE_COUNTERS) is not None
     counters = COUNTERS.get(q.device, B * L.kv_heads) if fused is not False else None
     args = dict(
         q_ptr=q, k_ptr=k, v_ptr=v, out_ptr=out, count_ptr=counters if counters is not None else bt,
@@ -232,8 +180,7 @@ def launch_direct(kernel, tag: str, cache, layer: int, q: torch.Tensor, k: torch
         if best is None or cost < best[0]:
             best = (cost, option, n)
     _, args, splits = best
-    args["TREE"] = tree_levels(splits) if tree and args["FUSED"] else 0
     if fused is None and args["FUSED"]:
-        args["FUSED"] = splits <= FUSED_MAX_SPLITS or args["TREE"] > 0
-    args["RMAX"] = 4 if args["TREE"] else max(FUSED_MAX_SPLITS, 1 << (splits - 1).bit_length())  # 2**k >= splits
+        args["FUSED"] = splits <= FUSED_MAX_SPLITS
+    args["RMAX"] = max(FUSED_MAX_SPLITS, 1 << (splits - 1).bit_length())  # a power of two >= splits
     return launch_split(kernel, out, L.kv_heads, splits, args)
