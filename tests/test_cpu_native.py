@@ -64,8 +64,8 @@ def test_native_decode_matches_torch_path(kv, heads, kvh, d, bs, mixed, portable
     ref = TorchBackend().attend(cache, 1, q, k, v, meta, d ** -0.5)
     got = TorchBackend(kernels).attend(cache, 1, q, k, v, meta, d ** -0.5)
     assert got.dtype == dt and got.shape == (T, heads, d)
-    if kv == "fp32":
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    if kv == "fp32":  # float32 sums in another order: at head_dim 128 ~1e-6 apart on values ~0.02 (AVX2 host)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
     else:  # both round float32 values that differ by summation order: at most one bf16 step apart
         torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -7, atol=1e-3)
 
