@@ -78,6 +78,8 @@ class AttentionMetadata:
     split step carries them in `mixed.prefill`)."""
     mixed: "MixedSplit | None" = None
     """A step of decode rows and longer chunks, split so each part gets its own kernel; or None."""
+    sum_prefix_len: int = 0
+    """The cached prefixes summed (0: unknown, taken as every sequence at max_prefix_len)."""
 
     @property
     def num_seqs(self) -> int:
@@ -86,6 +88,11 @@ class AttentionMetadata:
     @property
     def is_decode(self) -> bool:
         return self.max_query_len == 1
+
+    @property
+    def total_context(self) -> int:
+        """The decode step's contexts summed (prefix and new token; 0: unknown), for the split count."""
+        return self.sum_prefix_len + self.num_seqs if self.sum_prefix_len > 0 else 0
 
 
 @dataclass

@@ -349,14 +349,15 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
             return programs_per_sm or resident_of("plain", decode_kernel, a, q.device)
         sms = num_sms(q.device)
         resident = resident_in(args)
-        splits = num_splits(B, L.kv_heads, meta.max_prefix_len + 1, sms, resident, block_n)
+        total = meta.total_context  # a ragged batch: its longest sequence's splits set the time
+        splits = num_splits(B, L.kv_heads, meta.max_prefix_len + 1, sms, resident, block_n, total)
         past_one_wave = splits == 1 and B * L.kv_heads > sms * resident
         if heads_first is None and tiles.heads_first_past_one_wave and llama_shape and past_one_wave:
             args["HEADS_FIRST"] = B < 65536
         if lo_rows is None and tiles.lo_rows_deep_stages and own_tile and llama_shape and 2 * G <= block_h:
             args, splits = lo_rows_launch(args, splits, tiles.lo_rows_deep_stages, B, L.kv_heads,
-                                          meta.max_prefix_len + 1, sms, block_n, resident_in)
+                                          meta.max_prefix_len + 1, sms, block_n, resident_in, total)
         if tiles.one_wave and own_tile and llama_shape and maxnreg is None:  # (a cap the caller set stays)
             args, splits = one_wave_launch(args, splits, tiles.one_wave, B, L.kv_heads, meta.max_prefix_len + 1,
-                                           sms, resident_in)
+                                           sms, resident_in, total)
     return launch_split(decode_kernel, out, L.kv_heads, splits, args)

@@ -149,6 +149,7 @@ def _attention_fields(seqs: list[SeqSlice], layout: BlockLayout, dev: torch.devi
         residual_slots=torch.tensor([s.residual_slot for s in seqs], dtype=torch.int32, device=dev),
         max_query_len=max(s.num_new for s in seqs),
         max_prefix_len=max(s.prefix_len for s in seqs),
+        sum_prefix_len=sum(s.prefix_len for s in seqs),
         write=write,
         stage=None if staged is None else PrefixStage(staged.src_pages.to(dev), staged.tables.to(dev),
                                                       staged.every),

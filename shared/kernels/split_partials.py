@@ -175,8 +175,8 @@ def launch_direct(kernel, tag: str, cache, layer: int, q: torch.Tensor, k: torch
             best = (0.0, option, splits)
             break
         resident = resident_of(tag, kernel, option, q.device)
-        n = splits or num_splits(B, L.kv_heads, ctx, sms, resident, CHUNK)
-        cost = chunk_time * slot_cost(B, L.kv_heads, ctx, sms, resident, n)
+        n = splits or num_splits(B, L.kv_heads, ctx, sms, resident, CHUNK, meta.total_context)
+        cost = chunk_time * slot_cost(B, L.kv_heads, ctx, sms, resident, n, meta.total_context)
         if best is None or cost < best[0]:
             best = (cost, option, n)
     _, args, splits = best

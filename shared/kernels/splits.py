@@ -17,18 +17,32 @@ REGS_PER_SM = 65536
 SM_QUARTERS = 4  # an SM's schedulers, each with a quarter of the register file
 
 
+def waves(batch: int, kv_heads: int, max_context: int, capacity: int, splits: int, total_context: int = 0) -> int:
+    """Waves of `capacity` programs a launch takes, counted in its longest programs (one split of the
+    longest sequence). Every sequence max_context long (`total_context` 0, or batch x max_context):
+    programs over capacity, rounded up. A ragged batch: all programs' work (tokens plus the fixed cost)
+    over a wave of longest programs, rounded up, so its short sequences' many near-empty splits cost
+    their fixed cost and no more."""
+    if total_context <= 0 or total_context >= batch * max_context:
+        return -(-batch * kv_heads * splits // capacity)
+    longest = max_context / splits + PROGRAM_COST_TOKENS
+    work = kv_heads * (total_context + batch * splits * PROGRAM_COST_TOKENS)
+    return max(1, math.ceil(work / (capacity * longest)))
+
+
 def num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int,
-               resident_per_sm: int = RESIDENT_DEFAULT, block_n: int = 64) -> int:
+               resident_per_sm: int = RESIDENT_DEFAULT, block_n: int = 64, total_context: int = 0) -> int:
     """Splits per (sequence, KV head), from shapes only. Programs move equal bytes, so the time is
     waves (programs / programs resident at once, rounded up) x one program's time (its tokens plus a
     fixed cost worth PROGRAM_COST_TOKENS): e.g. 16 x 8 programs on 132 SMs x 4 want 4 splits (one
-    full wave), not 5 (a second wave 20 % full); 64 x 8 want none."""
-    base = batch * kv_heads
+    full wave), not 5 (a second wave 20 % full); 64 x 8 want none. `total_context` (the batch's
+    contexts summed, 0: all at max_context): in a ragged batch the longest sequence's splits set the
+    time, so it takes the splits a batch of its length alone would (`waves`)."""
     capacity = max(1, num_sms * resident_per_sm)
     cap = max(1, min(MAX_SPLITS, max_context // max(MIN_TOKENS_PER_SPLIT, block_n)))
 
     def cost(s: int) -> float:
-        return -(-base * s // capacity) * (max_context / s + PROGRAM_COST_TOKENS)
+        return waves(batch, kv_heads, max_context, capacity, s, total_context) * (max_context / s + PROGRAM_COST_TOKENS)
     return min(range(1, cap + 1), key=lambda s: (cost(s), s))
 
 
@@ -44,14 +58,15 @@ def resident_programs(n_regs: int, shared: int, num_warps: int, smem_per_sm: int
     return max(1, min(by_regs, by_smem, by_threads, 32))
 
 
-def slot_cost(batch: int, kv_heads: int, max_context: int, num_sms: int, resident: int, splits: int) -> float:
+def slot_cost(batch: int, kv_heads: int, max_context: int, num_sms: int, resident: int, splits: int,
+              total_context: int = 0) -> float:
     """Time of a decode launch bound by instruction issue (register-direct INT4), in token-times of
     one program alone: its waves, each as long as `resident` programs sharing an SM take (a variant
     that does not fit the GPU, `resident` 0, never wins)."""
     if resident <= 0:
         return math.inf
-    waves = -(-batch * kv_heads * splits // max(1, num_sms * resident))
-    return waves * resident * (max_context / splits + PROGRAM_COST_TOKENS)
+    n = waves(batch, kv_heads, max_context, max(1, num_sms * resident), splits, total_context)
+    return n * resident * (max_context / splits + PROGRAM_COST_TOKENS)
 
 
 def num_sms(device: torch.device) -> int:
