@@ -128,6 +128,11 @@ def split_sweep(reps: int, counts: list[int]) -> None:
         torch.cuda.empty_cache()
 
 
+def labels_of(variants: list[str]) -> list[str]:
+    """The variants' row labels: a variant named twice is timed twice, its second run "name #2"."""
+    return [v if variants.index(v) == i else f"{v} #{variants[:i + 1].count(v)}" for i, v in enumerate(variants)]
+
+
 def pool_sweep(reps: int, factors: list[int], variants: list[str]) -> None:
     """Each case's pages scattered over pools `factors` times its size (the benchmark's pool is the
     case's own 0.32 GB; a serving engine's is tens of GB): speedup against SDPA for each variant."""
@@ -135,12 +140,13 @@ def pool_sweep(reps: int, factors: list[int], variants: list[str]) -> None:
     for batch, ctx in kb.DECODE_CASES:
         case = kb.decode_case(batch, ctx)
         t_sdpa, _ = kb.time_sdpa(case, reps)
-        cells: dict = {v: [] for v in variants}
+        labels = labels_of(variants)
+        cells: dict = {label: [] for label in labels}
         for f in factors:
             cache, meta, q, kn, vn = kb.decode_problem("int4", case, pool_pages=f * case.n_pages)
-            for name in variants:
+            for name, label in zip(variants, labels):
                 fn, kw = variant(name)
-                cells[name].append(t_sdpa / kb.time_ms(lambda: fn(cache, 0, q, kn, vn, meta, kb.D ** -0.5, **kw), reps))
+                cells[label].append(t_sdpa / kb.time_ms(lambda: fn(cache, 0, q, kn, vn, meta, kb.D ** -0.5, **kw), reps))
             del cache
             torch.cuda.empty_cache()
         for name, xs in cells.items():
@@ -156,7 +162,7 @@ def context_sweep(reps: int, contexts: list[int], variants: list[str], wave: int
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     batch = sms * wave // kb.KVH
     pool = batch * max(contexts) // kb.BS if fixed_pool else 0
-    labels = [v if variants.index(v) == i else f"{v} #{variants[:i + 1].count(v)}" for i, v in enumerate(variants)]
+    labels = labels_of(variants)
     times: dict = {label: [] for label in labels}  # a variant named twice is timed and fitted twice
     for ctx in contexts:
         cache, meta, q, kn, vn = kb.decode_problem("int4", kb.decode_case(batch, ctx), pool_pages=pool)

@@ -166,7 +166,7 @@ def launch_direct(kernel, tag: str, cache, layer: int, q: torch.Tensor, k: torch
         V_OFF=L.v_data_offset, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset, KVH=L.kv_heads, G=G,
         BS=L.block_size, D=D, FUSED=counters is not None, BF16=q.dtype == torch.bfloat16, num_warps=1,
         **consts)
-    ctx, sms = meta.max_prefix_len + 1, num_sms(q.device)
+    ctx, total, sms = meta.max_prefix_len + 1, meta.total_context, num_sms(q.device)
     options = maxnreg if isinstance(maxnreg, tuple) else ((maxnreg, 1.0),)
     best = None
     for cap, chunk_time in options:
@@ -175,8 +175,8 @@ def launch_direct(kernel, tag: str, cache, layer: int, q: torch.Tensor, k: torch
             best = (0.0, option, splits)
             break
         resident = resident_of(tag, kernel, option, q.device)
-        n = splits or num_splits(B, L.kv_heads, ctx, sms, resident, CHUNK, meta.total_context)
-        cost = chunk_time * slot_cost(B, L.kv_heads, ctx, sms, resident, n, meta.total_context)
+        n = splits or num_splits(B, L.kv_heads, ctx, sms, resident, CHUNK, total)
+        cost = chunk_time * slot_cost(B, L.kv_heads, ctx, sms, resident, n, total)
         if best is None or cost < best[0]:
             best = (cost, option, n)
     _, args, splits = best
