@@ -234,31 +234,6 @@ def test_num_splits_from_shapes():
     assert [resident_programs(r, 0, 1, 233472) for r in (128, 144, 168)] == [16, 12, 12]
 
 
-def test_num_splits_for_a_ragged_batch():
-    """One long sequence among short ones: its splits set the time, so it gets the split count it would
-    alone, where the count for a batch all that long leaves its few programs streaming alone; a uniform
-    batch's count is unchanged."""
-    for batch, ctx, resident, block_n in [(64, 4097, 16, 16), (16, 16385, 16, 16), (256, 1025, 12, 16),
-                                          (8, 32769, 16, 16), (3, 5000, 4, 64), (1, 300, 4, 64)]:
-        assert num_splits(batch, 8, ctx, 132, resident, block_n, batch * ctx) == \
-            num_splits(batch, 8, ctx, 132, resident, block_n)
-    ragged = 32769 + 63 * 1025  # 64 sequences: one of 32K, 63 of 1K
-    uniform = num_splits(64, 8, 32769, 132, 16, 16)
-    split = num_splits(64, 8, 32769, 132, 16, 16, ragged)
-    assert uniform == 4 and split >= 16  # 4 splits: the 32K sequence's 32 programs carry 8K tokens each
-    assert split <= num_splits(1, 8, 32769, 132, 16, 16)  # never more than the long sequence alone takes
-    # the model's time (waves x the longest program) is what the choice minimized
-    assert slot_cost(64, 8, 32769, 132, 16, split, ragged) < slot_cost(64, 8, 32769, 132, 16, uniform, ragged) / 2
-
-
-def test_metadata_sums_the_contexts():
-    layout = BlockLayout(num_layers=1, kv_heads=2, head_dim=16, block_size=16, kv_dtype="fp16")
-    seqs = [SeqSlice(prefix_len=p, num_new=1, block_table=list(range(i * 4, i * 4 + p // 16 + 1)), residual_slot=i)
-            for i, p in enumerate([40, 3, 0])]
-    meta = build_attention_metadata(seqs, layout, 4, "cpu")
-    assert (meta.max_prefix_len, meta.sum_prefix_len, meta.total_context) == (40, 43, 46)
-
-
 def test_register_option_by_issue_bound_cost():
     """The INT4 kernel's register cap: 16 programs an SM (128 registers, chunks 6 % slower) only where
     12 would leave a part-full last wave."""

@@ -23,6 +23,7 @@ from typing import Protocol
 
 import torch
 
+from kvmesh.kernels.work_list import BatchContexts
 from kvmesh.kv.pool import KVCache
 
 
@@ -78,8 +79,9 @@ class AttentionMetadata:
     split step carries them in `mixed.prefill`)."""
     mixed: "MixedSplit | None" = None
     """A step of decode rows and longer chunks, split so each part gets its own kernel; or None."""
-    sum_prefix_len: int = 0
-    """The cached prefixes summed (0: unknown, taken as every sequence at max_prefix_len)."""
+    contexts: BatchContexts | None = None
+    """A ragged decode step's contexts on the host, for its work list (`work_list.py`); None where
+    every sequence is as long as the longest, or unknown (one split count for all)."""
 
     @property
     def num_seqs(self) -> int:
@@ -88,11 +90,6 @@ class AttentionMetadata:
     @property
     def is_decode(self) -> bool:
         return self.max_query_len == 1
-
-    @property
-    def total_context(self) -> int:
-        """The decode step's contexts summed (prefix and new token; 0: unknown), for the split count."""
-        return self.sum_prefix_len + self.num_seqs if self.sum_prefix_len > 0 else 0
 
 
 @dataclass

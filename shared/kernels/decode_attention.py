@@ -43,7 +43,7 @@ from kvmesh.kernels.decode_tiles import TILES, lo_rows_launch, one_wave_launch, 
 from kvmesh.kernels.splits import launch_split, num_sms, num_splits, resident_of
 from kvmesh.kernels.splits import resident_programs  # noqa: F401 (re-exported for callers)
 from kvmesh.kernels.paged_attention import (LOG2E, _cast_out, _check, _dot, _dot_dtype, _load_page_tile,
-                                            _softmax_step, _unit)
+                                            _softmax_step, _unit, partial_rows, work_unit)
 from kvmesh.kv.pool import KVCache
 
 
@@ -53,8 +53,8 @@ def decode_kernel(
     k_ptr,  # [B, KVH, D] new keys (full precision)
     v_ptr,  # [B, KVH, D] new values
     out_ptr,  # [B, H, D] output (PARTIAL == False)
-    part_out_ptr,  # fp32 [B, H, splits, D] normalized partial outputs (PARTIAL)
-    part_lse_ptr,  # fp32 [B, H, splits] log2-sum-exp of each partial (PARTIAL)
+    part_out_ptr,  # fp32 [B, H, splits, D] normalized partial outputs (PARTIAL; WORK: [U, H, D])
+    part_lse_ptr,  # fp32 [B, H, splits] log2-sum-exp of each partial (PARTIAL; WORK: [U, H])
     pool_ptr,  # uint8 [num_pages, page_bytes]
     res_ptr,  # [num_slots, layers, 2, KVH, BS, D] residual tails
     prefix_lens_ptr,  # int32 [B]
@@ -65,7 +65,8 @@ def decode_kernel(
     layer_off,  # layer * layer_bytes, in units
     slot_stride, res_layer_off,  # residual elements between slots; layer offset inside a slot
     qk_scale,  # softmax scale * log2(e)
-    num_splits,  # programs per (sequence, KV head) along the pages
+    num_splits,  # programs per (sequence, KV head) along the pages (WORK: the longest sequence's)
+    work_ptr,  # int32 [U] a ragged batch's units, b << 16 | split << 8 | splits of b (WORK; work_list.py)
     V_OFF: tl.constexpr, KS_OFF: tl.constexpr, VS_OFF: tl.constexpr,
     FMT: tl.constexpr, HAS_SCALE: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
     BS: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -74,10 +75,11 @@ def decode_kernel(
     HEADS_FIRST: tl.constexpr = False,  # grid (KVH, B, splits): a sequence's KV heads launched side by side
     TAIL_EARLY: tl.constexpr = False,  # SPLIT == 0: the tail's slot and new row loaded at the start
     LO_ROWS: tl.constexpr = False,  # bf16 pages, G <= BLOCK_H / 2: p's lo part in rows BLOCK_H / 2.. (_softmax_step)
+    WORK: tl.constexpr = False,  # grid (units, KVH, 1) over work_ptr; partials [U, H, D]
 ):
-    b = tl.program_id(1) if HEADS_FIRST else tl.program_id(0)
+    u = tl.program_id(1) if HEADS_FIRST else tl.program_id(0)
     kvh = tl.program_id(0) if HEADS_FIRST else tl.program_id(1)
-    split = tl.program_id(2)
+    b, split, n_split = work_unit(work_ptr, u, num_splits, WORK)
     prefix = tl.load(prefix_lens_ptr + b)
     r = tl.arange(0, BLOCK_H)
     if LO_ROWS:  # rows BLOCK_H / 2.. repeat the heads of rows 0..
@@ -107,7 +109,7 @@ def decode_kernel(
     # 1. this split's full pages, in whole tiles (per_split is a multiple of the tile's pages)
     PAGES: tl.constexpr = BLOCK_N // BS
     n_pages = prefix // BS
-    per_split = tl.cdiv(tl.cdiv(n_pages, num_splits), PAGES) * PAGES
+    per_split = tl.cdiv(tl.cdiv(n_pages, n_split), PAGES) * PAGES
     p_lo = split * per_split
     n_end = tl.minimum(n_pages, p_lo + per_split) * BS
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
@@ -139,7 +141,7 @@ def decode_kernel(
             acc_e, acc_o, m_i, l_i = _split_step(acc_e, acc_o, m_i, l_i, s, ks, ve, vo, vs, nm[None, :],
                                                  qk_scale, DOT)
 
-    if split == num_splits - 1:
+    if split == n_split - 1:
         # 2. residual tail (prefix % BS tokens, full precision) and 3. the new token
         t = tl.arange(0, BS)
         n_tail = prefix % BS
@@ -184,11 +186,10 @@ def decode_kernel(
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
     if PARTIAL:
-        ph = b.to(tl.int64) * (KVH * G) + head  # [M] row of [B, H]
-        tl.store(part_out_ptr + ((ph * num_splits + split) * D)[:, None] + d[None, :], o,
-                 mask=row_ok[:, None])
+        pr = partial_rows(b, u, head, split, num_splits, KVH * G, WORK)  # [M]
+        tl.store(part_out_ptr + (pr * D)[:, None] + d[None, :], o, mask=row_ok[:, None])
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
-        tl.store(part_lse_ptr + ph * num_splits + split, lse, mask=row_ok)
+        tl.store(part_lse_ptr + pr, lse, mask=row_ok)
     else:
         op = out_ptr + b.to(tl.int64) * stride_ob + (head * stride_oh)[:, None] + d[None, :]
         tl.store(op, _cast_out(o, out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -349,15 +350,15 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
             return programs_per_sm or resident_of("plain", decode_kernel, a, q.device)
         sms = num_sms(q.device)
         resident = resident_in(args)
-        total = meta.total_context  # a ragged batch: its longest sequence's splits set the time
-        splits = num_splits(B, L.kv_heads, meta.max_prefix_len + 1, sms, resident, block_n, total)
+        contexts = meta.contexts  # a ragged batch: split in proportion to each context (work_list.py)
+        splits = num_splits(B, L.kv_heads, meta.max_prefix_len + 1, sms, resident, block_n, contexts)
         past_one_wave = splits == 1 and B * L.kv_heads > sms * resident
         if heads_first is None and tiles.heads_first_past_one_wave and llama_shape and past_one_wave:
             args["HEADS_FIRST"] = B < 65536
         if lo_rows is None and tiles.lo_rows_deep_stages and own_tile and llama_shape and 2 * G <= block_h:
             args, splits = lo_rows_launch(args, splits, tiles.lo_rows_deep_stages, B, L.kv_heads,
-                                          meta.max_prefix_len + 1, sms, block_n, resident_in, total)
+                                          meta.max_prefix_len + 1, sms, block_n, resident_in, contexts)
         if tiles.one_wave and own_tile and llama_shape and maxnreg is None:  # (a cap the caller set stays)
             args, splits = one_wave_launch(args, splits, tiles.one_wave, B, L.kv_heads, meta.max_prefix_len + 1,
-                                           sms, resident_in, total)
-    return launch_split(decode_kernel, out, L.kv_heads, splits, args)
+                                           sms, resident_in, contexts)
+    return launch_split(decode_kernel, out, L.kv_heads, splits, args, meta.contexts)

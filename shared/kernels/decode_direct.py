@@ -40,6 +40,7 @@ import torch
 from kvmesh.kernels.formats import FMT_CODES, FMT_E4M3, FMT_E5M2, FMT_INT8
 from kvmesh.kernels.split_partials import FUSED_MAX_SPLITS, launch_direct
 from kvmesh.kernels.splits import num_sms, num_splits
+from kvmesh.kernels.work_list import BatchContexts
 
 from kvmesh.kernels.mma_fragments import CHUNK, HAVE_GLUON
 
@@ -51,7 +52,7 @@ if HAVE_GLUON:
     from kvmesh.kernels.mma_fragments import (A_OP, B_OP, CHUNK_C, MMA, codes_fp16, k_layout, load_words,
                                               k_logical, k_operand, q_operand, tail_rows, to_fp16, v_layout,
                                               v_operand)
-    from kvmesh.kernels.split_partials import store_output
+    from kvmesh.kernels.split_partials import store_output, work_unit
 FORMATS = (FMT_E4M3, FMT_E5M2, FMT_INT8)
 CODE_MAX = {FMT_E4M3: 448.0, FMT_E5M2: 57344.0, FMT_INT8: 127.0}
 
@@ -170,8 +171,8 @@ if HAVE_GLUON:
         k_ptr,  # [B, KVH, D] new keys (q's dtype)
         v_ptr,  # [B, KVH, D] new values
         out_ptr,  # [B, H, D] output (q's dtype; PARTIAL == False, or FUSED)
-        part_out_ptr,  # fp32 [B, H, splits, D] normalized partial outputs (PARTIAL)
-        part_lse_ptr,  # fp32 [B, H, splits] log2-sum-exp of each partial (PARTIAL)
+        part_out_ptr,  # fp32 [B, H, splits, D] normalized partial outputs (PARTIAL; WORK: [U, H, D])
+        part_lse_ptr,  # fp32 [B, H, splits] log2-sum-exp of each partial (PARTIAL; WORK: [U, H])
         count_ptr,  # int32 [>= B * KVH] zeros: splits done per (sequence, KV head) (FUSED; reset to 0)
         pool_ptr,  # uint8 [num_pages, page_bytes]
         res_ptr,  # [num_slots, layers, 2, KVH, BS, D] residual tails (q's dtype)
@@ -183,7 +184,8 @@ if HAVE_GLUON:
         layer_off,  # layer * layer_bytes
         slot_stride, res_layer_off,  # residual elements between slots; layer offset inside a slot
         qk_scale,  # softmax scale * log2(e)
-        num_splits,  # programs per (sequence, KV head) along the chunks
+        num_splits,  # programs per (sequence, KV head) along the chunks (WORK: the longest sequence's)
+        work_ptr,  # int32 [U] a ragged batch's units (WORK; work_list.py)
         g_rows,  # = G, at run time: see the q load
         V_OFF: gl.constexpr, KS_OFF: gl.constexpr, VS_OFF: gl.constexpr, FMT: gl.constexpr,
         KVH: gl.constexpr, G: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, PARTIAL: gl.constexpr,
@@ -197,6 +199,7 @@ if HAVE_GLUON:
         TAIL_FIRST: gl.constexpr = False,  # the last split takes its tail while its first chunk loads
         NH: gl.constexpr = 8,  # the MMAs' head columns: 8 (G <= 8) or 16 (G <= 16: two n-tiles)
         L1NA: gl.constexpr = 0,  # page loads that allocate no L1 line (each byte is read once): 1 K, 2 V, 3 both
+        WORK: gl.constexpr = False,  # grid (units, KVH, 1) over work_ptr; partials [U, H, D]
     ):
         LK: gl.constexpr = k_layout(D, False, KSEC)
         LV: gl.constexpr = v_layout(D, False)
@@ -205,9 +208,9 @@ if HAVE_GLUON:
         # per head of the KV group / per token of a chunk, where the score orientation keeps them
         HL: gl.constexpr = gl.SliceLayout(0, MMA)  # [NH] per query head of the group
         TL: gl.constexpr = gl.SliceLayout(1, MMA)  # [16] per token of a chunk
-        b = gl.program_id(1) if HEADS_FIRST else gl.program_id(0)
+        u = gl.program_id(1) if HEADS_FIRST else gl.program_id(0)
         kvh = gl.program_id(0) if HEADS_FIRST else gl.program_id(1)
-        split = gl.program_id(2)
+        b, split, n_split = work_unit(work_ptr, u, num_splits, WORK)
         prefix = gl.load(prefix_lens_ptr + b)
         slot = gl.load(residual_slots_ptr + b).to(gl.int64)  # the residual tail's (read by the last split)
         res_k = res_ptr + slot * slot_stride + res_layer_off + kvh * BS * D
@@ -243,7 +246,7 @@ if HAVE_GLUON:
 
         # 1. this split's chunks of full pages, the next chunk's loads in flight during each step
         n_chunks = prefix // BS * (BS // CHUNK_C)
-        per_split = gl.cdiv(n_chunks, num_splits)
+        per_split = gl.cdiv(n_chunks, n_split)
         lo = split * per_split
         hi = gl.minimum(n_chunks, lo + per_split)
         bt_row = block_tables_ptr + b.to(gl.int64) * stride_bt
@@ -252,7 +255,7 @@ if HAVE_GLUON:
         kb, vb, ks, vs = _load_chunk(pool_ptr, bt_row, gl.minimum(lo, gl.maximum(n_chunks - 1, 0)), kvh,
                                      page_stride, layer_off, ko, vo, KS_OFF, VS_OFF, FMT, BS, D, KSEC, L2PF, L1NA)
         if TAIL_FIRST:  # while the first chunk loads: the tail's round trips overlap the pages' first ones
-            if split == num_splits - 1:
+            if split == n_split - 1:
                 acc, m_i, l_i = _tail(acc, m_i, l_i, q_op, kcorr, k_new, v_new, res_k, prefix % BS, tk, ck, tv, cv,
                                       qk_scale, CMAX, KVH, BS, D, BF16, KSEC)
         for c in range(lo, hi):
@@ -265,7 +268,7 @@ if HAVE_GLUON:
 
         # 2. the last split: residual tail (prefix % BS tokens, fp16) and the new token, masked
         if not TAIL_FIRST:
-            if split == num_splits - 1:
+            if split == n_split - 1:
                 acc, m_i, l_i = _tail(acc, m_i, l_i, q_op, kcorr, k_new, v_new, res_k, prefix % BS, tk, ck, tv, cv,
                                       qk_scale, CMAX, KVH, BS, D, BF16, KSEC)
 
@@ -273,7 +276,7 @@ if HAVE_GLUON:
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
         o = acc * gl.convert_layout(1.0 / (l_safe * CMAX), gl.SliceLayout(0, MMA))[None, :]  # [D, 8]
         store_output(o, l_i, m_i, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, b, kvh, split, stride_ob,
-                     stride_oh, num_splits, KVH, G, D, PARTIAL, FUSED, RMAX)
+                     stride_oh, num_splits, u, n_split, KVH, G, D, PARTIAL, FUSED, RMAX, WORK)
 
 
 MAXNREG = 128  # 16 one-warp programs per SM (D <= 128); uncapped, int8's prefetching variant took 166
@@ -312,7 +315,8 @@ def decode_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.
     fmt = FMT_CODES[cache.layout.kv_dtype]
     nh = head_columns(q.shape[1] // cache.layout.kv_heads)
     if maxnreg is None and nh == 16:
-        cap = wide_register_cap(q.shape[0], cache.layout.kv_heads, meta.max_prefix_len + 1, num_sms(q.device))
+        cap = wide_register_cap(q.shape[0], cache.layout.kv_heads, meta.max_prefix_len + 1, num_sms(q.device),
+                                meta.contexts)
     else:
         cap = maxnreg or (MAXNREG if q.shape[2] <= 128 else None)
     lo = loads or LOADS[fmt]
@@ -332,11 +336,12 @@ WIDE_RESIDENT = 8  # programs an SM at 16 head columns uncapped (224-228 registe
 WIDE_CAP = 168  # 12 programs an SM, 40-56 bytes of spills
 
 
-def wide_register_cap(batch: int, kv_heads: int, max_context: int, sms: int) -> int | None:
+def wide_register_cap(batch: int, kv_heads: int, max_context: int, sms: int,
+                      contexts: BatchContexts | None = None) -> int | None:
     """The register cap at 16 head columns: none where the uncapped launch's splits still fuse (no
     second launch, no spills), else WIDE_CAP, whose half again as many programs keep more bytes in
     flight where a second launch reduces anyway. H200, 64 query / 4 KV heads (`decode_heads.py`):
     the cap gave e4m3 +14-16 % (int8 +1-2 %) at 16 x 16,384 and 8 x 32,768 (16 and 33 splits
     uncapped) and -6 to -9 % (int8 -7 to -19 %) at 64 x 4,096 and 256 x 1,024 (4 and 1)."""
-    n = num_splits(batch, kv_heads, max_context, sms, WIDE_RESIDENT, CHUNK)
+    n = num_splits(batch, kv_heads, max_context, sms, WIDE_RESIDENT, CHUNK, contexts)
     return None if n <= FUSED_MAX_SPLITS else WIDE_CAP

@@ -32,7 +32,7 @@ import triton.language as tl
 from kvmesh.kernels.backend import AttentionMetadata
 from kvmesh.kernels.formats import FMT_INT4
 from kvmesh.kernels.int4_codec import HEADER, code_slot
-from kvmesh.kernels.paged_attention import LOG2E, _cast_out, _check, _dot_dtype
+from kvmesh.kernels.paged_attention import LOG2E, _cast_out, _check, _dot_dtype, partial_rows, work_unit
 from kvmesh.kernels.splits import launch_split, num_sms, num_splits, resident_of
 from kvmesh.kv.pool import KVCache
 
@@ -103,8 +103,8 @@ def decode_int4_kernel(
     k_ptr,  # [B, KVH, D] new keys (full precision)
     v_ptr,  # [B, KVH, D] new values
     out_ptr,  # [B, H, D] output (PARTIAL == False)
-    part_out_ptr,  # fp32 [B, H, splits, D] normalized partial outputs (PARTIAL)
-    part_lse_ptr,  # fp32 [B, H, splits] log2-sum-exp of each partial (PARTIAL)
+    part_out_ptr,  # fp32 [B, H, splits, D] normalized partial outputs (PARTIAL; WORK: [U, H, D])
+    part_lse_ptr,  # fp32 [B, H, splits] log2-sum-exp of each partial (PARTIAL; WORK: [U, H])
     pool_ptr,  # uint8 [num_pages, page_bytes]
     res_ptr,  # [num_slots, layers, 2, KVH, BS, D] residual tails
     prefix_lens_ptr,  # int32 [B]
@@ -115,15 +115,17 @@ def decode_int4_kernel(
     layer_off,  # layer * layer_bytes
     slot_stride, res_layer_off,  # residual elements between slots; layer offset inside a slot
     qk_scale,  # softmax scale * log2(e)
-    num_splits,  # programs per (sequence, KV head) along the pages
+    num_splits,  # programs per (sequence, KV head) along the pages (WORK: the longest sequence's)
+    work_ptr,  # int32 [U] a ragged batch's units (WORK; work_list.py)
     V_OFF: tl.constexpr, KS_OFF: tl.constexpr, VS_OFF: tl.constexpr,
     KVH: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
     PAGES: tl.constexpr, PARTIAL: tl.constexpr, DOT: tl.constexpr,
     ASM: tl.constexpr,  # GPU: the nibble decode in inline PTX (the interpreter runs none)
+    WORK: tl.constexpr = False,  # grid (units, KVH, 1) over work_ptr; partials [U, H, D]
 ):
-    b = tl.program_id(0)
+    u = tl.program_id(0)
     kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    b, split, n_split = work_unit(work_ptr, u, num_splits, WORK)
     NG: tl.constexpr = D // 32
     W: tl.constexpr = D // 8
     prefix = tl.load(prefix_lens_ptr + b)
@@ -145,7 +147,7 @@ def decode_int4_kernel(
     l_i = tl.zeros((PAGES, BLOCK_H), tl.float32)
 
     n_pages = prefix // BS
-    per_split = tl.cdiv(tl.cdiv(n_pages, num_splits), PAGES) * PAGES
+    per_split = tl.cdiv(tl.cdiv(n_pages, n_split), PAGES) * PAGES
     p_lo = split * per_split
     p_end = tl.minimum(n_pages, p_lo + per_split)
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
@@ -197,7 +199,7 @@ def decode_int4_kernel(
     o3 = tl.sum(acc * wgt[None, :, :, None], axis=1) + tl.permute(tl.sum(acc_m * wgt[:, :, None], axis=0), (1, 0))[:, :, None]
     o = tl.reshape(tl.permute(o3, (1, 0, 2)), (BLOCK_H, D))  # [NG, H, 32] -> [H, D]
 
-    if split == num_splits - 1:
+    if split == n_split - 1:
         # residual tail (prefix % BS tokens, full precision) and the new token as row n_tail, permuted
         n_tail = prefix % BS
         tm = t < n_tail
@@ -220,10 +222,10 @@ def decode_int4_kernel(
     l_safe = tl.where(l_run > 0.0, l_run, 1.0)
     o = o / l_safe[:, None]
     if PARTIAL:
-        ph = b.to(tl.int64) * (KVH * G) + head  # [H] row of [B, H]
-        tl.store(part_out_ptr + ((ph * num_splits + split) * D)[:, None] + dc[None, :], o, mask=row_ok[:, None])
+        pr = partial_rows(b, u, head, split, num_splits, KVH * G, WORK)  # [H]
+        tl.store(part_out_ptr + (pr * D)[:, None] + dc[None, :], o, mask=row_ok[:, None])
         lse = tl.where(l_run > 0.0, m_run + tl.math.log2(l_safe), float("-inf"))
-        tl.store(part_lse_ptr + ph * num_splits + split, lse, mask=row_ok)
+        tl.store(part_lse_ptr + pr, lse, mask=row_ok)
     else:
         op = out_ptr + b.to(tl.int64) * stride_ob + (head * stride_oh)[:, None] + dc[None, :]
         tl.store(op, _cast_out(o, out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -273,5 +275,5 @@ def decode_int4(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v:
     if splits is None:
         resident = programs_per_sm or resident_of("int4", decode_int4_kernel, args, q.device)
         splits = num_splits(B, L.kv_heads, meta.max_prefix_len + 1, num_sms(q.device), resident,
-                            pages * L.block_size, meta.total_context)
-    return launch_split(decode_int4_kernel, out, L.kv_heads, splits, args)
+                            pages * L.block_size, meta.contexts)
+    return launch_split(decode_int4_kernel, out, L.kv_heads, splits, args, meta.contexts)

@@ -65,7 +65,7 @@ if HAVE_GLUON:
     from kvmesh.kernels.int4_page_loads import (load_keys, load_values, ring_buffers, ring_issue, ring_keys,
                                                 ring_offsets, ring_values, ring_wait)
     from kvmesh.kernels.mma_fragments import A_OP, CHUNK_C, MMA, load_hint, q_operand, to_fp16
-    from kvmesh.kernels.split_partials import chunk_lines, page_base, prefetch_l2, store_output
+    from kvmesh.kernels.split_partials import chunk_lines, page_base, prefetch_l2, store_output, work_unit
 
 MAXNREG = 168  # a ceiling: at head_dim 128 the kernel takes 140 (still 12 one-warp programs per SM:
 # registers go by SM quarter, `splits.resident_programs`)
@@ -118,8 +118,8 @@ if HAVE_GLUON:
         k_ptr,  # [B, KVH, D] new keys (q's dtype)
         v_ptr,  # [B, KVH, D] new values
         out_ptr,  # [B, H, D] output (q's dtype; PARTIAL == False, or FUSED)
-        part_out_ptr,  # fp32 [B, H, splits, D] normalized partial outputs (PARTIAL)
-        part_lse_ptr,  # fp32 [B, H, splits] log2-sum-exp of each partial (PARTIAL)
+        part_out_ptr,  # fp32 [B, H, splits, D] normalized partial outputs (PARTIAL; WORK: [U, H, D])
+        part_lse_ptr,  # fp32 [B, H, splits] log2-sum-exp of each partial (PARTIAL; WORK: [U, H])
         count_ptr,  # int32 [>= B * KVH] zeros: splits done per (sequence, KV head) (FUSED; reset to 0)
         pool_ptr,  # uint8 [num_pages, page_bytes]
         res_ptr,  # [num_slots, layers, 2, KVH, BS, D] residual tails (q's dtype)
@@ -131,7 +131,8 @@ if HAVE_GLUON:
         layer_off,  # layer * layer_bytes
         slot_stride, res_layer_off,  # residual elements between slots; layer offset inside a slot
         qk_scale,  # softmax scale * log2(e)
-        num_splits,  # programs per (sequence, KV head) along the chunks
+        num_splits,  # programs per (sequence, KV head) along the chunks (WORK: the longest sequence's)
+        work_ptr,  # int32 [U] a ragged batch's units (WORK; work_list.py)
         g_rows,  # = G, at run time (see decode_direct's q load)
         V_OFF: gl.constexpr, KS_OFF: gl.constexpr, VS_OFF: gl.constexpr,
         KVH: gl.constexpr, G: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, PARTIAL: gl.constexpr,
@@ -142,6 +143,7 @@ if HAVE_GLUON:
         L1NA: gl.constexpr = False,  # the K and V row loads allocate no L1 line (each byte is read once)
         NH: gl.constexpr = 8,  # the MMAs' head columns: 8 (G <= 8) or 16 (G <= 16: two n-tiles)
         RING: gl.constexpr = 0,  # > 0: pages through a cp.async ring of RING chunks (head_dim 128, NH 8 only)
+        WORK: gl.constexpr = False,  # grid (units, KVH, 1) over work_ptr; partials [U, H, D]
     ):
         USE_RING: gl.constexpr = RING > 0 and D == 128 and NH == 8
         LKW: gl.constexpr = words_layout(D // 8, 16)
@@ -150,9 +152,9 @@ if HAVE_GLUON:
         LCQ: gl.constexpr = words_layout(D // 4, NH)  # the q' pair words of the NH head rows
         LQ: gl.constexpr = words_layout(D, 16)
         HL: gl.constexpr = gl.SliceLayout(0, MMA)  # [NH] per query head of the group
-        b = gl.program_id(0)
+        u = gl.program_id(0)
         kvh = gl.program_id(1)
-        split = gl.program_id(2)
+        b, split, n_split = work_unit(work_ptr, u, num_splits, WORK)
         prefix = gl.load(prefix_lens_ptr + b)
         slot = gl.load(residual_slots_ptr + b).to(gl.int64)  # the residual tail's (read by the last split)
         res_k = res_ptr + slot * slot_stride + res_layer_off + kvh * BS * D
@@ -216,7 +218,7 @@ if HAVE_GLUON:
         e_cur = prefix * 0 + 124  # the exponent field whose F is 1 (a tensor: loop-carried)
 
         n_chunks = prefix // BS * (BS // CHUNK_C)
-        per_split = gl.cdiv(n_chunks, num_splits)
+        per_split = gl.cdiv(n_chunks, n_split)
         lo = split * per_split
         hi = gl.minimum(n_chunks, lo + per_split)
         bt_row = block_tables_ptr + b.to(gl.int64) * stride_bt
@@ -263,7 +265,7 @@ if HAVE_GLUON:
             page1 = gl.load(bt_row + gl.minimum(lo + 1, last) // CPP)
             page2 = gl.load(bt_row + gl.minimum(lo + 2, last) // CPP)
         if TAIL_FIRST:  # while the first chunk loads: the tail's round trips overlap the pages' first ones
-            if split == num_splits - 1:
+            if split == n_split - 1:
                 acc_t, m_i, l_t, _ = residual_tail(gl.zeros([D, NH], gl.float32, layout=MMA), m_i, gl.zeros_like(m_i), q_rows,
                                            g_rows, k_new, v_new, res_k, prefix % BS, tq, cq, qk_scale, KVH, BS, D, BF16,
                                            NH)
@@ -322,7 +324,7 @@ if HAVE_GLUON:
         mb = gl.convert_layout(gl.max(mb, axis=0), HL)
 
         if not TAIL_FIRST:  # the last split: residual tail (prefix % BS tokens, full precision) and the new token
-            if split == num_splits - 1:
+            if split == n_split - 1:
                 acc, m_i, l_i, alpha = residual_tail(acc, m_i, l_i, q_rows, g_rows, k_new, v_new, res_k, prefix % BS, tq, cq,
                                              qk_scale, KVH, BS, D, BF16, NH)
                 accm = accm * alpha[None, :]
@@ -335,7 +337,7 @@ if HAVE_GLUON:
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
         o = (acc + mb[None, :]) * (1.0 / l_safe)[None, :]
         store_output(o, l_i, m_i, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, b, kvh, split, stride_ob,
-                     stride_oh, num_splits, KVH, G, D, PARTIAL, FUSED, RMAX)
+                     stride_oh, num_splits, u, n_split, KVH, G, D, PARTIAL, FUSED, RMAX, WORK)
 
 
 def decode_int4_direct(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float, *,

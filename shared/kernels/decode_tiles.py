@@ -12,7 +12,8 @@ import triton.language as tl
 from kvmesh.kernels.formats import (FMT_BF16, FMT_CODES, FMT_E4M3, FMT_E5M2, FMT_FP16, FMT_FP32, FMT_INT4,
                                     FMT_INT8)
 from kvmesh.kernels.paged_attention import _unit
-from kvmesh.kernels.splits import num_splits
+from kvmesh.kernels.splits import num_splits, waves
+from kvmesh.kernels.work_list import BatchContexts
 from kvmesh.kv.layout import BlockLayout
 
 
@@ -52,7 +53,8 @@ TILES = {FMT_FP32: DecodeTiles(32, 3),
 
 
 def lo_rows_launch(args: dict, splits: int, deep_stages: int, batch: int, kv_heads: int, context: int,
-                   sms: int, block_n: int, resident: Callable[[dict], int], total_context: int = 0) -> tuple[dict, int]:
+                   sms: int, block_n: int, resident: Callable[[dict], int],
+                   contexts: BatchContexts | None = None) -> tuple[dict, int]:
     """(kernel arguments, splits) for bf16 pages at G <= 8, given the hi + lo launch (`args`, `splits`)
     and `resident(args)`, the programs an SM of a variant. One p . v dot with p's lo part in the padding
     rows (LO_ROWS) takes 168 registers where two dots take 213 (sm_90): 3 programs an SM instead of 2
@@ -65,34 +67,35 @@ def lo_rows_launch(args: dict, splits: int, deep_stages: int, batch: int, kv_hea
        and unsplit on 3 programs an SM its 512 programs leave a second wave 30 % full (0.82x).
     A variant that does not fit the GPU (`resident` 0: a smaller GPU's shared memory) is passed over."""
     deep = dict(args, LO_ROWS=True, num_stages=deep_stages)
-    s = one_wave_splits(deep, batch, kv_heads, context, sms, block_n, resident, total_context)
+    s = one_wave_splits(deep, batch, kv_heads, context, sms, block_n, resident, contexts)
     if s:
         return deep, s
     lo = dict(args, LO_ROWS=True)
     r = resident(lo)
-    if r and num_splits(batch, kv_heads, context, sms, r, block_n, total_context) == 1:
+    if r and num_splits(batch, kv_heads, context, sms, r, block_n, contexts) == 1:
         return lo, 1
     return args, splits
 
 
 def one_wave_splits(args: dict, batch: int, kv_heads: int, context: int, sms: int, block_n: int,
-                    resident: Callable[[dict], int], total_context: int = 0) -> int:
+                    resident: Callable[[dict], int], contexts: BatchContexts | None = None) -> int:
     """The split count of the launch `args` (tiles of `block_n` tokens) where its programs, split by its
     own residency, all fit on the SMs at once; 0 where they do not, or it does not load on this GPU."""
     r = resident(args)
-    s = num_splits(batch, kv_heads, context, sms, max(1, r), block_n, total_context)
-    return s if r and batch * kv_heads * s <= sms * r else 0
+    s = num_splits(batch, kv_heads, context, sms, max(1, r), block_n, contexts)
+    return s if r and waves(batch, kv_heads, context, sms * r, s, contexts) == 1 else 0
 
 
 def one_wave_launch(args: dict, splits: int, tile: tuple[int, int], batch: int, kv_heads: int, context: int,
-                    sms: int, resident: Callable[[dict], int], total_context: int = 0) -> tuple[dict, int]:
+                    sms: int, resident: Callable[[dict], int],
+                    contexts: BatchContexts | None = None) -> tuple[dict, int]:
     """(kernel arguments, splits): the launch at `tile` (tokens a tile, pipeline depth; no register cap)
     where it fits one wave, else `args` and `splits` as given. Deep pipelines hold one program an SM
     (fp16 at 128 x 5: 140 KB of shared memory), which pays where every program starts at once and
     loses where a second wave waits on the first (H200, docs/kernels.md)."""
     block_n, stages = tile
     deep = {k: v for k, v in args.items() if k != "maxnreg"} | dict(BLOCK_N=block_n, num_stages=stages)
-    s = one_wave_splits(deep, batch, kv_heads, context, sms, block_n, resident, total_context)
+    s = one_wave_splits(deep, batch, kv_heads, context, sms, block_n, resident, contexts)
     return (deep, s) if s else (args, splits)
 
 

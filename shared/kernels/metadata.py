@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmesh.kernels.backend import AttentionMetadata, MixedSplit, PrefixStage, WritePlan
+from kvmesh.kernels.work_list import BatchContexts
 from kvmesh.kv.layout import BlockLayout
 
 
@@ -149,7 +150,7 @@ def _attention_fields(seqs: list[SeqSlice], layout: BlockLayout, dev: torch.devi
         residual_slots=torch.tensor([s.residual_slot for s in seqs], dtype=torch.int32, device=dev),
         max_query_len=max(s.num_new for s in seqs),
         max_prefix_len=max(s.prefix_len for s in seqs),
-        sum_prefix_len=sum(s.prefix_len for s in seqs),
+        contexts=BatchContexts.of([s.prefix_len + 1 for s in seqs]) if all(s.num_new == 1 for s in seqs) else None,
         write=write,
         stage=None if staged is None else PrefixStage(staged.src_pages.to(dev), staged.tables.to(dev),
                                                       staged.every),

@@ -259,23 +259,52 @@ def paged_attention_kernel(
 
 
 @triton.jit
+def work_unit(work_ptr, u, num_splits, WORK: tl.constexpr):
+    """(sequence, split, that sequence's splits) of a decode program whose batch axis is `u`: a
+    ragged batch's unit u of the work list (WORK, `work_list.py`), else sequence u and grid axis 2."""
+    if WORK:
+        unit = tl.load(work_ptr + u)
+        b, split, n_split = unit >> 16, (unit >> 8) & 255, unit & 255
+    else:
+        b, split, n_split = u, tl.program_id(2), num_splits
+    return b, split, n_split
+
+
+@triton.jit
+def partial_rows(b, u, head, split, num_splits, H: tl.constexpr, WORK: tl.constexpr):
+    """Rows of a decode program's partials: [U, H] per unit (WORK), else [B, H, splits]."""
+    if WORK:
+        rows = u.to(tl.int64) * H + head
+    else:
+        rows = (b.to(tl.int64) * H + head) * num_splits + split
+    return rows
+
+
+@triton.jit
 def reduce_splits_kernel(
-    part_out_ptr,  # fp32 [T, H, SPLITS, D]
-    part_lse_ptr,  # fp32 [T, H, SPLITS]
+    part_out_ptr,  # fp32 [T, H, SPLITS, D], or [U, H, D] (WORK)
+    part_lse_ptr,  # fp32 [T, H, SPLITS], or [U, H] (WORK)
     out_ptr,  # [T, H, D]
     stride_ot, stride_oh,
+    seq_units_ptr,  # int32 [T]: first unit << 8 | splits of each sequence (WORK; work_list.py)
     H: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, D: tl.constexpr,
+    WORK: tl.constexpr = False,
 ):
     """Combines the splits of one (token, head): weights 2**(lse - max)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, SPLITS_P2)
     d = tl.arange(0, D)
-    ph = t.to(tl.int64) * H + h
-    lse = tl.load(part_lse_ptr + ph * SPLITS + sp, mask=sp < SPLITS, other=float("-inf"))
+    if WORK:  # this sequence's splits are units first .. first + n - 1 of the work list
+        e = tl.load(seq_units_ptr + t)
+        rows = ((e >> 8) + sp).to(tl.int64) * H + h
+        ok = sp < (e & 255)
+    else:
+        rows = (t.to(tl.int64) * H + h) * SPLITS + sp
+        ok = sp < SPLITS
+    lse = tl.load(part_lse_ptr + rows, mask=ok, other=float("-inf"))
     w = tl.math.exp2(lse - tl.max(lse, axis=0))  # [S]; empty splits have lse -inf -> 0
-    o = tl.load(part_out_ptr + ((ph * SPLITS + sp) * D)[:, None] + d[None, :],
-                mask=(sp < SPLITS)[:, None], other=0.0)
+    o = tl.load(part_out_ptr + (rows * D)[:, None] + d[None, :], mask=ok[:, None], other=0.0)
     o = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, _cast_out(o, out_ptr.dtype.element_ty))
 

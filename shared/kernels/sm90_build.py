@@ -22,7 +22,7 @@ from kvmesh.kv.layout import BlockLayout
 
 POINTERS = {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "out_ptr": "*fp16", "part_out_ptr": "*fp32",
             "part_lse_ptr": "*fp32", "count_ptr": "*i32", "pool_ptr": "*u8", "res_ptr": "*fp16",
-            "prefix_lens_ptr": "*i32", "block_tables_ptr": "*i32", "residual_slots_ptr": "*i32"}
+            "prefix_lens_ptr": "*i32", "block_tables_ptr": "*i32", "residual_slots_ptr": "*i32", "work_ptr": "*i32"}
 FLOATS = {"qk_scale"}
 UNALIGNED = {"num_splits", "g_rows"}
 

@@ -19,13 +19,26 @@ if HAVE_GLUON:
     cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after Triton 3.6
 
     @gluon.jit
-    def reduce_partials(part_out_ptr, part_lse_ptr, out_ptr, b, kvh, stride_ob, stride_oh, num_splits,
-                        KVH: gl.constexpr, G: gl.constexpr, D: gl.constexpr, RMAX: gl.constexpr, H0: gl.constexpr = 0):
+    def work_unit(work_ptr, u, num_splits, WORK: gl.constexpr):
+        """(sequence, split, that sequence's splits) of a program whose batch axis is `u`: a ragged
+        batch's unit u of the work list (WORK, `work_list.py`), else sequence u and grid axis 2."""
+        if WORK:
+            unit = gl.load(work_ptr + u)
+            b, split, n_split = unit >> 16, (unit >> 8) & 255, unit & 255
+        else:
+            b, split, n_split = u, gl.program_id(2), num_splits
+        return b, split, n_split
+
+    @gluon.jit
+    def reduce_partials(part_out_ptr, part_lse_ptr, out_ptr, b, kvh, stride_ob, stride_oh, num_splits, u0, n_split,
+                        KVH: gl.constexpr, G: gl.constexpr, D: gl.constexpr, RMAX: gl.constexpr, H0: gl.constexpr = 0,
+                        WORK: gl.constexpr = False):
         """Combine every split's partial of (b, kvh), weights 2**(lse - max), into out: RMAX >=
         num_splits partials in one unrolled pass, so their loads are all in flight at once (two
         passes of dependent loads, max then sum, cost 0.7-0.9 % at 64 x 4,096, H200). Loads bypass
         L1 (.cg): the partials were written by other SMs. Heads H0 .. H0 + 7 of the group (8 at a time:
-        the unrolled pass holds RMAX partials of 8 heads in registers)."""
+        the unrolled pass holds RMAX partials of 8 heads in registers). WORK: the partials are rows
+        (u0 + i) H + head of [U, H] (units u0 .. u0 + n_split - 1 are the sequence's splits)."""
         # 8 channels a lane: 16-byte output stores (each store holds its registers until the store unit
         # takes it, and this program's end is the launch's)
         RL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // (D // 8), D // 8],
@@ -33,14 +46,19 @@ if HAVE_GLUON:
         h = H0 + gl.arange(0, 8, layout=gl.SliceLayout(1, RL))
         d = gl.arange(0, D, layout=gl.SliceLayout(0, RL))
         hm = h < G
-        ph = (b.to(gl.int64) * (KVH * G) + kvh * G + h) * num_splits  # [8] first partial of each head
+        if WORK:
+            ph = u0.to(gl.int64) * (KVH * G) + kvh * G + h  # [8] first partial of each head
+            step = KVH * G
+        else:
+            ph = (b.to(gl.int64) * (KVH * G) + kvh * G + h) * num_splits  # [8] first partial of each head
+            step = 1
         m = gl.full([8], -1.0e30, gl.float32, layout=gl.SliceLayout(1, RL))
         acc = gl.zeros([8, D], gl.float32, layout=RL)
         wsum = gl.zeros([8], gl.float32, layout=gl.SliceLayout(1, RL))
         for i in gl.static_range(RMAX):  # unrolled, online weights: no load waits for another
-            ok = hm & (i < num_splits)  # empty splits have lse -inf: weight 0
-            lse = gl.load(part_lse_ptr + ph + i, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            o = gl.load(part_out_ptr + ((ph + i) * D)[:, None] + d[None, :], mask=ok[:, None], other=0.0,
+            ok = hm & (i < n_split)  # empty splits have lse -inf: weight 0
+            lse = gl.load(part_lse_ptr + ph + i * step, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            o = gl.load(part_out_ptr + ((ph + i * step) * D)[:, None] + d[None, :], mask=ok[:, None], other=0.0,
                         cache_modifier=".cg")
             m_new = gl.maximum(m, lse)
             a = gl.exp2(m - m_new)
@@ -98,14 +116,16 @@ if HAVE_GLUON:
 
     @gluon.jit
     def store_output(o, l_i, m_i, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, b, kvh, split,
-                     stride_ob, stride_oh, num_splits, KVH: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
-                     PARTIAL: gl.constexpr, FUSED: gl.constexpr, RMAX: gl.constexpr):
+                     stride_ob, stride_oh, num_splits, u, n_split, KVH: gl.constexpr, G: gl.constexpr,
+                     D: gl.constexpr, PARTIAL: gl.constexpr, FUSED: gl.constexpr, RMAX: gl.constexpr,
+                     WORK: gl.constexpr = False):
         """o: O^T [D, NH] normalized (MMA layout; NH = 8 or 16 head columns), its rows in logical
         channel order (row m holds memory channel (D/8) (m % 8) + m // 8), l_i / m_i [NH] the softmax
         sum and max (base 2) per head: the output, or this split's partial (RMAX: see reduce_partials).
         Stored as [NH heads, D] rows, 16 bytes a lane a store: straight from the MMA layout each lane
         held scattered channels, one 2-byte store apiece, and each store held its register until the
-        store unit took it (a third of a short program's time, H200)."""
+        store unit took it (a third of a short program's time, H200). WORK: unit u of a ragged batch's
+        work list, split `split` of the sequence's `n_split` (`work_list.py`); partials [U, H, D]."""
         NH: gl.constexpr = o.shape[1]
         rows = gl.reshape(gl.permute(gl.reshape(o, [D // 8, 8, NH]), [2, 1, 0]), [NH, D])  # [head, channel]
         VEC: gl.constexpr = 4 if PARTIAL else 8  # 16 bytes of fp32 or of 16-bit values
@@ -115,20 +135,26 @@ if HAVE_GLUON:
         hr = gl.arange(0, NH, layout=gl.SliceLayout(1, SL))
         cr = gl.arange(0, D, layout=gl.SliceLayout(0, SL))
         if PARTIAL:
-            ph = b.to(gl.int64) * (KVH * G) + kvh * G + hr  # [NH] row of [B, H]
-            gl.store(part_out_ptr + ((ph * num_splits + split) * D)[:, None] + cr[None, :], rows,
-                     mask=(hr < G)[:, None])
-            hh = gl.arange(0, NH, layout=l_i.type.layout)
+            if WORK:
+                ph = u.to(gl.int64) * (KVH * G) + kvh * G + hr  # [NH] row of [U, H]
+                gl.store(part_out_ptr + (ph * D)[:, None] + cr[None, :], rows, mask=(hr < G)[:, None])
+                hh = gl.arange(0, NH, layout=l_i.type.layout)
+                lse_rows = u.to(gl.int64) * (KVH * G) + kvh * G + hh
+            else:
+                ph = b.to(gl.int64) * (KVH * G) + kvh * G + hr  # [NH] row of [B, H]
+                gl.store(part_out_ptr + ((ph * num_splits + split) * D)[:, None] + cr[None, :], rows,
+                         mask=(hr < G)[:, None])
+                hh = gl.arange(0, NH, layout=l_i.type.layout)
+                lse_rows = (b.to(gl.int64) * (KVH * G) + kvh * G + hh) * num_splits + split
             lse = gl.where(l_i > 0.0, m_i + gl.log2(gl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
-            gl.store(part_lse_ptr + (b.to(gl.int64) * (KVH * G) + kvh * G + hh) * num_splits + split, lse,
-                     mask=hh < G)
+            gl.store(part_lse_ptr + lse_rows, lse, mask=hh < G)
             if FUSED:
                 cta_barrier()  # every lane's partial is written before the count says so
                 done = gl.atomic_add(count_ptr + b * KVH + kvh, 1, sem="acq_rel", scope="gpu")
-                if done == num_splits - 1:
+                if done == n_split - 1:
                     for h0 in gl.static_range(0, NH, 8):
                         reduce_partials(part_out_ptr, part_lse_ptr, out_ptr, b, kvh, stride_ob, stride_oh,
-                                        num_splits, KVH, G, D, RMAX, h0)
+                                        num_splits, u - split, n_split, KVH, G, D, RMAX, h0, WORK)
                     gl.store(count_ptr + b * KVH + kvh, 0)  # ready for the next launch
         else:
             op = out_ptr + b.to(gl.int64) * stride_ob + ((kvh * G + hr) * stride_oh)[:, None] + cr[None, :]
@@ -166,7 +192,7 @@ def launch_direct(kernel, tag: str, cache, layer: int, q: torch.Tensor, k: torch
         V_OFF=L.v_data_offset, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset, KVH=L.kv_heads, G=G,
         BS=L.block_size, D=D, FUSED=counters is not None, BF16=q.dtype == torch.bfloat16, num_warps=1,
         **consts)
-    ctx, total, sms = meta.max_prefix_len + 1, meta.total_context, num_sms(q.device)
+    ctx, contexts, sms = meta.max_prefix_len + 1, meta.contexts, num_sms(q.device)
     options = maxnreg if isinstance(maxnreg, tuple) else ((maxnreg, 1.0),)
     best = None
     for cap, chunk_time in options:
@@ -175,12 +201,12 @@ def launch_direct(kernel, tag: str, cache, layer: int, q: torch.Tensor, k: torch
             best = (0.0, option, splits)
             break
         resident = resident_of(tag, kernel, option, q.device)
-        n = splits or num_splits(B, L.kv_heads, ctx, sms, resident, CHUNK, total)
-        cost = chunk_time * slot_cost(B, L.kv_heads, ctx, sms, resident, n, total)
+        n = splits or num_splits(B, L.kv_heads, ctx, sms, resident, CHUNK, contexts)
+        cost = chunk_time * slot_cost(B, L.kv_heads, ctx, sms, resident, n, contexts)
         if best is None or cost < best[0]:
             best = (cost, option, n)
     _, args, splits = best
     if fused is None and args["FUSED"]:
         args["FUSED"] = splits <= FUSED_MAX_SPLITS
     args["RMAX"] = max(FUSED_MAX_SPLITS, 1 << (splits - 1).bit_length())  # a power of two >= splits
-    return launch_split(kernel, out, L.kv_heads, splits, args)
+    return launch_split(kernel, out, L.kv_heads, splits, args, contexts)

@@ -8,6 +8,8 @@ import math
 
 import torch
 
+from kvmesh.kernels.work_list import MAX_WORK_SPLITS, BatchContexts
+
 NUM_SMS_DEFAULT = 132  # H200; the real count is read from the device when there is one
 RESIDENT_DEFAULT = 4  # programs per SM assumed where the compiled kernel cannot be inspected
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism
@@ -17,32 +19,30 @@ REGS_PER_SM = 65536
 SM_QUARTERS = 4  # an SM's schedulers, each with a quarter of the register file
 
 
-def waves(batch: int, kv_heads: int, max_context: int, capacity: int, splits: int, total_context: int = 0) -> int:
-    """Waves of `capacity` programs a launch takes, counted in its longest programs (one split of the
-    longest sequence). Every sequence max_context long (`total_context` 0, or batch x max_context):
-    programs over capacity, rounded up. A ragged batch: all programs' work (tokens plus the fixed cost)
-    over a wave of longest programs, rounded up, so its short sequences' many near-empty splits cost
-    their fixed cost and no more."""
-    if total_context <= 0 or total_context >= batch * max_context:
-        return -(-batch * kv_heads * splits // capacity)
-    longest = max_context / splits + PROGRAM_COST_TOKENS
-    work = kv_heads * (total_context + batch * splits * PROGRAM_COST_TOKENS)
-    return max(1, math.ceil(work / (capacity * longest)))
+def waves(batch: int, kv_heads: int, max_context: int, capacity: int, splits: int,
+          contexts: BatchContexts | None = None) -> int:
+    """Waves of `capacity` programs a launch takes at `splits` for its longest sequence: every
+    sequence that many (`contexts` None: a batch all at max_context), or a ragged batch's work list
+    (each sequence split in proportion to its context, `work_list.py`), where that has fewer units.
+    Either way no program reads more than one split of the longest sequence."""
+    units = contexts.units(splits) if contexts is not None and contexts.pays(splits) else batch * splits
+    return -(-kv_heads * units // capacity)
 
 
 def num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int,
-               resident_per_sm: int = RESIDENT_DEFAULT, block_n: int = 64, total_context: int = 0) -> int:
+               resident_per_sm: int = RESIDENT_DEFAULT, block_n: int = 64,
+               contexts: BatchContexts | None = None) -> int:
     """Splits per (sequence, KV head), from shapes only. Programs move equal bytes, so the time is
     waves (programs / programs resident at once, rounded up) x one program's time (its tokens plus a
     fixed cost worth PROGRAM_COST_TOKENS): e.g. 16 x 8 programs on 132 SMs x 4 want 4 splits (one
-    full wave), not 5 (a second wave 20 % full); 64 x 8 want none. `total_context` (the batch's
-    contexts summed, 0: all at max_context): in a ragged batch the longest sequence's splits set the
-    time, so it takes the splits a batch of its length alone would (`waves`)."""
+    full wave), not 5 (a second wave 20 % full); 64 x 8 want none. `contexts`: a ragged batch's
+    (None: all at max_context), whose work list splits each sequence in proportion (`waves`)."""
     capacity = max(1, num_sms * resident_per_sm)
-    cap = max(1, min(MAX_SPLITS, max_context // max(MIN_TOKENS_PER_SPLIT, block_n)))
+    most = MAX_SPLITS if contexts is None else MAX_WORK_SPLITS
+    cap = max(1, min(most, max_context // max(MIN_TOKENS_PER_SPLIT, block_n)))
 
     def cost(s: int) -> float:
-        return waves(batch, kv_heads, max_context, capacity, s, total_context) * (max_context / s + PROGRAM_COST_TOKENS)
+        return waves(batch, kv_heads, max_context, capacity, s, contexts) * (max_context / s + PROGRAM_COST_TOKENS)
     return min(range(1, cap + 1), key=lambda s: (cost(s), s))
 
 
@@ -59,13 +59,13 @@ def resident_programs(n_regs: int, shared: int, num_warps: int, smem_per_sm: int
 
 
 def slot_cost(batch: int, kv_heads: int, max_context: int, num_sms: int, resident: int, splits: int,
-              total_context: int = 0) -> float:
+              contexts: BatchContexts | None = None) -> float:
     """Time of a decode launch bound by instruction issue (register-direct INT4), in token-times of
     one program alone: its waves, each as long as `resident` programs sharing an SM take (a variant
     that does not fit the GPU, `resident` 0, never wins)."""
     if resident <= 0:
         return math.inf
-    n = waves(batch, kv_heads, max_context, max(1, num_sms * resident), splits, total_context)
+    n = waves(batch, kv_heads, max_context, max(1, num_sms * resident), splits, contexts)
     return n * resident * (max_context / splits + PROGRAM_COST_TOKENS)
 
 
@@ -112,7 +112,8 @@ def resident_of(tag: str, kernel, args: dict, device: torch.device) -> int:
     key = (tag, kernel) + tuple(v for n, v in args.items() if n.isupper() or n.startswith(("num_", "max"))) + (device,)
     one = torch.empty(1, dtype=torch.float32, device=device)  # warmup wraps only positional dtypes
     return RESIDENCY.get(key, device, lambda: kernel.warmup(**args, part_out_ptr=one, part_lse_ptr=one,
-                                                            num_splits=2, PARTIAL=True, grid=(1,)))
+                                                            work_ptr=args["prefix_lens_ptr"], num_splits=2,
+                                                            PARTIAL=True, grid=(1,)))
 
 
 class SplitCounters:
@@ -137,24 +138,36 @@ class SplitCounters:
 COUNTERS = SplitCounters()
 
 
-def launch_split(kernel, out: torch.Tensor, kv_heads: int, splits: int, args: dict) -> torch.Tensor:
+def launch_split(kernel, out: torch.Tensor, kv_heads: int, splits: int, args: dict,
+                 contexts: BatchContexts | None = None) -> torch.Tensor:
     """Runs a decode kernel over (B, KV heads, splits) programs into out [B, H, D] (grid (KV heads, B,
     splits) where args HEADS_FIRST: the kernel reads its program ids that way); with more than one
     split each program writes a normalized partial and its log2-sum-exp, and `reduce_splits_kernel`
-    combines them, unless the kernel's last split does (args FUSED)."""
+    combines them, unless the kernel's last split does (args FUSED). A ragged batch (`contexts`)
+    whose work list pays runs one program per (unit, KV head) instead (`work_list.py`, WORK)."""
     from kvmesh.kernels.paged_attention import reduce_splits_kernel
 
     B, H, D = out.shape
+    plan = contexts.plan(splits, out.device) if contexts is not None and contexts.pays(splits) else None
+    rows = (B, H, splits) if plan is None else (plan.units, H)  # partials of [B, H, splits] or [U, H]
     if splits > 1:
-        part_out = torch.empty(B, H, splits, D, dtype=torch.float32, device=out.device)
-        part_lse = torch.empty(B, H, splits, dtype=torch.float32, device=out.device)
+        part_out = torch.empty(*rows, D, dtype=torch.float32, device=out.device)
+        part_lse = torch.empty(*rows, dtype=torch.float32, device=out.device)
     else:
         part_out = part_lse = out  # unused
-    grid = (kv_heads, B, splits) if args.get("HEADS_FIRST") else (B, kv_heads, splits)  # y and z < 65,536
-    kernel[grid](**args, part_out_ptr=part_out, part_lse_ptr=part_lse, num_splits=splits, PARTIAL=splits > 1)
+    n = B if plan is None else plan.units
+    if plan is not None and n >= 65536 and args.get("HEADS_FIRST"):
+        args = dict(args, HEADS_FIRST=False)  # the units go on x, which has room for them
+    grid = (kv_heads, n, splits) if args.get("HEADS_FIRST") else (n, kv_heads, splits)  # y and z < 65,536
+    if plan is not None:
+        grid = grid[:2] + (1,)
+    work = plan.work if plan is not None else args["prefix_lens_ptr"]
+    kernel[grid](**args, part_out_ptr=part_out, part_lse_ptr=part_lse, num_splits=splits, PARTIAL=splits > 1,
+                 work_ptr=work, **({"WORK": True} if plan is not None else {}))
     if splits > 1 and not args.get("FUSED"):
         reduce_splits_kernel[(B, H)](
             part_out_ptr=part_out, part_lse_ptr=part_lse, out_ptr=out,
-            stride_ot=out.stride(0), stride_oh=out.stride(1),
-            H=H, SPLITS=splits, SPLITS_P2=1 << (splits - 1).bit_length(), D=D, num_warps=4)
+            stride_ot=out.stride(0), stride_oh=out.stride(1), seq_units_ptr=plan.seq_units if plan else work,
+            H=H, SPLITS=splits, SPLITS_P2=1 << (splits - 1).bit_length(), D=D, WORK=plan is not None,
+            num_warps=8 if splits > 64 else 4)
     return out

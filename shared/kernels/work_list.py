@@ -1,0 +1,94 @@
+"""A ragged decode batch's work list: each sequence split in proportion to its context, so every
+program reads about as many tokens as one split of the longest (FlashInfer plans its decode work
+the same way, on the host, from the lengths it already has).
+
+With one split count for the whole batch, a long sequence among short ones either gets few splits
+(its programs stream alone long after the rest are done) or many (every short sequence gets as
+many near-empty programs, each paying its fixed cost). Here a batch whose longest sequence takes S
+splits gives sequence b n_b = ceil(S * context_b / longest) of them, and the kernels run one
+program per (unit, KV head) from a flat list of units, (sequence, split, n_b) packed in an int32:
+
+    work       int32 [U]  b << 16 | split << 8 | n_b      units sequence by sequence
+    seq_units  int32 [B]  first_unit << 8 | n_b           for the reduction of b's partials
+
+Partials are rows of [U, H] (unit u's split of its sequence, query head h), not [B, H, splits]:
+their count is the work's, not B x the longest's splits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+MAX_WORK_SPLITS = 128  # splits of the longest sequence (n_b < 256 fits the packing)
+MAX_WORK_SEQS = 1 << 15  # b << 16 stays a positive int32
+
+
+@dataclass(frozen=True)
+class WorkPlan:
+    """One split count's work list on one device."""
+
+    splits: int
+    """Splits of the longest sequence (the stride the kernels are launched with)."""
+    work: torch.Tensor
+    """int32 [U]: b << 16 | split << 8 | n_b."""
+    seq_units: torch.Tensor
+    """int32 [B]: the sequence's first unit << 8 | n_b."""
+
+    @property
+    def units(self) -> int:
+        return int(self.work.shape[0])
+
+
+@dataclass
+class BatchContexts:
+    """A decode step's contexts (cached prefix + the new token) on the host, and the work lists
+    planned from them (built once per step and split count, reused by every layer)."""
+
+    lens: torch.Tensor
+    """int64 [B] on the CPU."""
+    _units: torch.Tensor | None = field(default=None, repr=False)
+    _plans: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, contexts: list[int]) -> "BatchContexts | None":
+        """The contexts of a ragged batch; None where every sequence is as long as the longest (one
+        split count serves them all) or the batch is too large to pack."""
+        if not contexts or len(contexts) >= MAX_WORK_SEQS or min(contexts) == max(contexts):
+            return None
+        return cls(torch.tensor(contexts, dtype=torch.int64))
+
+    @property
+    def longest(self) -> int:
+        return int(self.lens.max())
+
+    @property
+    def total(self) -> int:
+        return int(self.lens.sum())
+
+    def splits_of(self, splits: int) -> torch.Tensor:
+        """int64 [B]: each sequence's splits where the longest takes `splits`."""
+        return torch.clamp((self.lens * splits + self.longest - 1) // self.longest, min=1)
+
+    def units(self, splits: int) -> int:
+        """Units (programs per KV head) of the work list at `splits` for the longest sequence."""
+        if self._units is None:  # every count at once: the split choice asks for many
+            s = torch.arange(1, MAX_WORK_SPLITS + 1, dtype=torch.int64)[:, None]
+            self._units = torch.clamp((self.lens[None, :] * s + self.longest - 1) // self.longest, min=1).sum(1)
+        return int(self._units[min(splits, MAX_WORK_SPLITS) - 1])
+
+    def plan(self, splits: int, device: torch.device) -> WorkPlan:
+        key = (splits, device)
+        if key not in self._plans:
+            n = self.splits_of(splits)  # [B]
+            first = torch.cumsum(n, 0) - n
+            seq = torch.repeat_interleave(torch.arange(len(n), dtype=torch.int64), n)  # [U]
+            split = torch.arange(len(seq), dtype=torch.int64) - first[seq]
+            work = (seq << 16) | (split << 8) | n[seq]
+            self._plans[key] = WorkPlan(splits, work.to(torch.int32).to(device),
+                                        ((first << 8) | n).to(torch.int32).to(device))
+        return self._plans[key]
+
+    def pays(self, splits: int) -> bool:
+        """Whether the work list has fewer units than every sequence at `splits` would."""
+        return splits > 1 and self.units(splits) < len(self.lens) * splits

@@ -1,0 +1,119 @@
+"""A ragged decode batch's work list (`kvmesh.kernels.work_list`): each sequence split in proportion
+to its context. The plan's packing and the split count on the host; the Triton kernels (plain and
+INT4 tile) under the interpreter against the torch reference and against one split count for every
+sequence; the register-direct Gluon kernels on the GPU (`-m gpu`), fused and second-launch reductions.
+Tolerances as in test_kernels_attention.py."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvmesh.kernels.decode_attention import decode_attention
+from kvmesh.kernels.decode_direct import decode_direct
+from kvmesh.kernels.decode_int4_direct import decode_int4_direct
+from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata
+from kvmesh.kernels.splits import num_splits, slot_cost, waves
+from kvmesh.kernels.torch_ref import TorchBackend
+from kvmesh.kernels.work_list import BatchContexts
+from kvmesh.kv.layout import BlockLayout
+from test_kernels_attention import TOL, make_case, rel_l2
+
+
+def unpack(work: torch.Tensor) -> list[tuple[int, int, int]]:
+    w = work.tolist()
+    return [(e >> 16, (e >> 8) & 255, e & 255) for e in w]
+
+
+def test_plan_splits_each_sequence_in_proportion():
+    ctx = BatchContexts.of([401, 18, 1, 100, 201])
+    assert ctx.splits_of(4).tolist() == [4, 1, 1, 1, 3]  # ceil(4 x context / 401)
+    plan = ctx.plan(4, torch.device("cpu"))
+    assert unpack(plan.work) == [(0, 0, 4), (0, 1, 4), (0, 2, 4), (0, 3, 4), (1, 0, 1), (2, 0, 1), (3, 0, 1),
+                                 (4, 0, 3), (4, 1, 3), (4, 2, 3)]
+    assert [(e >> 8, e & 255) for e in plan.seq_units.tolist()] == [(0, 4), (4, 1), (5, 1), (6, 1), (7, 3)]
+    assert plan.units == ctx.units(4) == 10 and ctx.pays(4) and not ctx.pays(1)
+    assert ctx.plan(4, torch.device("cpu")) is plan  # once per step, reused by every layer
+    big = BatchContexts.of([70000] + [1] * 7)
+    assert big.splits_of(128).tolist() == [128] + [1] * 7 and max(u[2] for u in unpack(big.plan(128, "cpu").work)) == 128
+
+
+def test_uniform_batches_and_chunks_keep_one_count():
+    layout = BlockLayout(num_layers=1, kv_heads=2, head_dim=16, block_size=16, kv_dtype="fp16")
+
+    def meta(prefixes, new):
+        seqs = [SeqSlice(p, n, list(range(i * 8, i * 8 + (p + n) // 16 + 1)), i) for i, (p, n) in
+                enumerate(zip(prefixes, new))]
+        return build_attention_metadata(seqs, layout, 4, "cpu")
+    assert meta([40, 40, 40], [1, 1, 1]).contexts is None  # every sequence the longest: one count
+    assert meta([40, 3, 0], [1, 5, 1]).contexts is None  # not a decode step
+    assert meta([40, 3, 0], [1, 1, 1]).contexts.lens.tolist() == [41, 4, 1]
+    assert BatchContexts.of([7]) is None and BatchContexts.of([]) is None
+
+
+def test_split_count_of_a_ragged_batch():
+    """One 32K sequence among 63 of 1K: one count for all gives the long one 4 splits (its programs
+    stream 8K tokens each, alone, after the rest) or, counted for the batch's work, 28 splits for
+    every sequence (14,336 programs, most near-empty). The work list splits the long one 75 ways
+    and the short ones 3: 264 units x 8 KV heads, one full wave of programs of <= 437 tokens."""
+    lens = [32769] + [1025] * 63
+    ctx = BatchContexts.of(lens)
+    s = num_splits(64, 8, 32769, 132, 16, 16, ctx)
+    assert s == 75 and ctx.splits_of(s).tolist() == [75] + [3] * 63
+    assert 8 * ctx.units(s) == 132 * 16  # one wave, full
+    one = num_splits(64, 8, 32769, 132, 16, 16)
+    assert one == 4
+    assert slot_cost(64, 8, 32769, 132, 16, s, ctx) < slot_cost(64, 8, 32769, 132, 16, one) / 10
+    # a count the work list does not pay at (one split) costs what it costs every sequence
+    assert waves(64, 8, 32769, 132 * 16, 1, ctx) == waves(64, 8, 32769, 132 * 16, 1)
+
+
+DECODE_KERNELS = [("fp16", None), ("bf16", None), ("fp8_e5m2", False), ("int8", False), ("int4", False)]
+
+
+@pytest.mark.parametrize("kv,direct", DECODE_KERNELS)
+@pytest.mark.parametrize("splits", [2, 5, None])
+def test_work_list_decode_matches_torch(kv, direct, splits):
+    # ragged: one long sequence, short ones, an empty prefix, residual-only, exact pages
+    lens = [200, 17, 0, 64, 33, 15]
+    cache, meta, q, k, v = make_case(kv, 4, 64, 16, lens, [1] * len(lens), seed=len(kv) + (splits or 0))
+    assert meta.contexts is not None
+    scale = 64 ** -0.5
+    ref = TorchBackend().attend(cache, 1, q, k, v, meta, scale)
+    out = decode_attention(cache, 1, q, k, v, meta, scale, splits=splits, direct=direct)
+    one = decode_attention(cache, 1, q, k, v, dataclasses.replace(meta, contexts=None), scale, splits=splits,
+                           direct=direct)
+    assert rel_l2(out, ref) <= TOL[kv] and rel_l2(one, ref) <= TOL[kv]
+    assert rel_l2(out, one) <= TOL[kv]
+
+
+# ----------------------------------------------------------------------------- GPU (H200)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "int8", "int4", "fp16", "bf16"])
+@pytest.mark.parametrize("gqa,head_dim,bs", [(4, 128, 16), (8, 64, 32), (16, 128, 16)])
+def test_gpu_work_list_decode(kv, gqa, head_dim, bs):
+    # every decode kernel over a ragged batch: the work list against one count for all and the
+    # torch reference, split reductions fused (up to 4 splits) and in a second launch (7, 40, 128)
+    lens = [0, 17, 20000, 3000, 64, 2049, 511, 129, bs - 1, bs]
+    for model in (torch.float16, torch.bfloat16):
+        if kv in ("fp16", "bf16") and model != {"fp16": torch.float16, "bf16": torch.bfloat16}[kv]:
+            continue
+        cache, meta, q, k, v = make_case(kv, gqa, head_dim, bs, lens, [1] * len(lens), kv_heads=8,
+                                         device="cuda", seed=gqa, model_dtype=model)
+        scale = head_dim ** -0.5
+        ref = TorchBackend().attend(cache, 1, q, k, v, meta, scale)
+        one_count = dataclasses.replace(meta, contexts=None)
+        for splits in (None, 3, 4, 7, 40, 128):
+            kernels = [lambda m: decode_attention(cache, 1, q, k, v, m, scale, splits=splits)]
+            if kv in ("fp8_e4m3", "fp8_e5m2", "int8") and splits in (3, 7):
+                kernels.append(lambda m: decode_direct(cache, 1, q, k, v, m, scale, splits=splits, fused=True))
+            if kv == "int4" and splits in (3, 7):
+                kernels.append(lambda m: decode_int4_direct(cache, 1, q, k, v, m, scale, splits=splits, fused=True))
+            for attend in kernels:
+                out = attend(meta)
+                err = rel_l2(out, ref)
+                assert err <= TOL[kv], f"{kv} G={gqa} D={head_dim} splits={splits}: {err:.2e}"
+                if splits is None or splits <= 64:
+                    assert rel_l2(attend(one_count), ref) <= TOL[kv]
