@@ -69,6 +69,37 @@ def test_split_count_of_a_ragged_batch():
     assert waves(64, 8, 32769, 132 * 16, 1, ctx) == waves(64, 8, 32769, 132 * 16, 1)
 
 
+@pytest.mark.parametrize("work", [False, True])
+@pytest.mark.parametrize("hb,sb", [(1, 4), (4, 2), (4, 16)])
+def test_reduce_splits_kernel_matches_torch(work, hb, sb):
+    """The second-launch reduction, several steps of splits (9 splits, 2-4 a step) and heads not a
+    multiple of a program's (6 heads, 4 a program), some splits empty (lse -inf): against log-sum-exp
+    weights in torch, for the [B, H, splits] partials and a work list's [U, H] rows."""
+    from kvmesh.kernels.paged_attention import reduce_splits_kernel
+
+    g = torch.Generator().manual_seed(hb * sb + work)
+    B, H, D, S = 3, 6, 16, 9
+    n = [9, 1, 4] if work else [S] * B  # each sequence's splits
+    ctx = BatchContexts.of([90, 10, 40] if work else [1, 2])
+    seq_units = ctx.plan(S, torch.device("cpu")).seq_units if work else torch.zeros(B, dtype=torch.int32)
+    rows = sum(n) if work else B * S
+    part = torch.randn(rows, H, D, generator=g)
+    lse = torch.randn(rows, H, generator=g) * 4
+    lse[1, 2] = float("-inf")  # an empty split
+    if work:
+        first = [0, 9, 10]
+        parts = [(part[f:f + k], lse[f:f + k]) for f, k in zip(first, n)]  # [k, H, D], [k, H]
+        po, pl = part, lse
+    else:
+        po, pl = part.view(B, S, H, D).transpose(1, 2).contiguous(), lse.view(B, S, H).transpose(1, 2).contiguous()
+        parts = [(po[b].transpose(0, 1), pl[b].transpose(0, 1)) for b in range(B)]
+    want = torch.stack([(o * torch.softmax(w * 0.6931471805599453, 0)[..., None]).sum(0) for o, w in parts])
+    out = torch.empty(B, H, D)
+    reduce_splits_kernel[(B, -(-H // hb))](po, pl, out, out.stride(0), out.stride(1), seq_units,
+                                           H=H, SPLITS=S, D=D, HB=hb, SB=sb, WORK=work)
+    assert torch.allclose(out, want, rtol=1e-4, atol=1e-5)
+
+
 DECODE_KERNELS = [("fp16", None), ("bf16", None), ("fp8_e5m2", False), ("int8", False), ("int4", False)]
 
 

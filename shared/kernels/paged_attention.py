@@ -287,26 +287,45 @@ def reduce_splits_kernel(
     out_ptr,  # [T, H, D]
     stride_ot, stride_oh,
     seq_units_ptr,  # int32 [T]: first unit << 8 | splits of each sequence (WORK; work_list.py)
-    H: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, D: tl.constexpr,
+    H: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr,
+    HB: tl.constexpr,  # heads a program
+    SB: tl.constexpr,  # splits a step (a power of two)
     WORK: tl.constexpr = False,
 ):
-    """Combines the splits of one (token, head): weights 2**(lse - max)."""
+    """Combines the splits of HB heads of one token, weights 2**(lse - max), SB splits a step with
+    the running max rescaled between steps: a sequence's loads cover its own splits only (a ragged
+    batch's short sequences have a few where the longest has up to 128), all SB in flight at once."""
     t = tl.program_id(0)
-    h = tl.program_id(1)
-    sp = tl.arange(0, SPLITS_P2)
+    h = tl.program_id(1) * HB + tl.arange(0, HB)  # [HB]
+    hm = h < H
+    sp = tl.arange(0, SB)
     d = tl.arange(0, D)
     if WORK:  # this sequence's splits are units first .. first + n - 1 of the work list
         e = tl.load(seq_units_ptr + t)
-        rows = ((e >> 8) + sp).to(tl.int64) * H + h
-        ok = sp < (e & 255)
+        first, n = e >> 8, e & 255
     else:
-        rows = (t.to(tl.int64) * H + h) * SPLITS + sp
-        ok = sp < SPLITS
-    lse = tl.load(part_lse_ptr + rows, mask=ok, other=float("-inf"))
-    w = tl.math.exp2(lse - tl.max(lse, axis=0))  # [S]; empty splits have lse -inf -> 0
-    o = tl.load(part_out_ptr + (rows * D)[:, None] + d[None, :], mask=ok[:, None], other=0.0)
-    o = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, _cast_out(o, out_ptr.dtype.element_ty))
+        first, n = 0, SPLITS
+    m = tl.full((HB,), -1.0e30, tl.float32)
+    acc = tl.zeros((HB, D), tl.float32)
+    wsum = tl.zeros((HB,), tl.float32)
+    for s0 in range(0, n, SB):
+        s = s0 + sp  # [SB]
+        ok = hm[:, None] & (s < n)[None, :]  # [HB, SB]
+        if WORK:
+            rows = (first + s).to(tl.int64)[None, :] * H + h[:, None]
+        else:
+            rows = (t.to(tl.int64) * H + h)[:, None] * SPLITS + s[None, :]
+        lse = tl.load(part_lse_ptr + rows, mask=ok, other=float("-inf"))  # [HB, SB]; empty splits -inf
+        o = tl.load(part_out_ptr + (rows * D)[:, :, None] + d[None, None, :], mask=ok[:, :, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, axis=1))
+        a = tl.math.exp2(m - m_new)
+        w = tl.math.exp2(lse - m_new[:, None])  # [HB, SB]
+        acc = acc * a[:, None] + tl.sum(o * w[:, :, None], axis=1)
+        wsum = wsum * a + tl.sum(w, axis=1)
+        m = m_new
+    o = acc / tl.where(wsum > 0.0, wsum, 1.0)[:, None]
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + (h * stride_oh)[:, None] + d[None, :],
+             _cast_out(o, out_ptr.dtype.element_ty), mask=hm[:, None])
 
 
 def _dot_dtype(fmt: int, q: torch.Tensor, staged: bool = False) -> tl.dtype:

@@ -85,10 +85,18 @@ class BatchContexts:
             seq = torch.repeat_interleave(torch.arange(len(n), dtype=torch.int64), n)  # [U]
             split = torch.arange(len(seq), dtype=torch.int64) - first[seq]
             work = (seq << 16) | (split << 8) | n[seq]
-            self._plans[key] = WorkPlan(splits, work.to(torch.int32).to(device),
-                                        ((first << 8) | n).to(torch.int32).to(device))
+            self._plans[key] = WorkPlan(splits, _to(work, device), _to((first << 8) | n, device))
         return self._plans[key]
 
     def pays(self, splits: int) -> bool:
         """Whether the work list has fewer units than every sequence at `splits` would."""
         return splits > 1 and self.units(splits) < len(self.lens) * splits
+
+
+def _to(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """int32 on `device`; to a GPU through pinned memory, so the copy does not wait for the kernels
+    already queued (the plan is made at the step's first attention launch, layers into the step)."""
+    x = x.to(torch.int32)
+    if torch.device(device).type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
