@@ -17,6 +17,10 @@ PROGRAM_COST_TOKENS = 128  # a program's fixed cost (prologue, tail, partial wri
 MAX_SPLITS = 64
 REGS_PER_SM = 65536
 SM_QUARTERS = 4  # an SM's schedulers, each with a quarter of the register file
+# the second-launch reduction's tile: heads a program, splits a step. Best of 28 tiles (1 or 4 heads,
+# 8-64 splits, 4 or 8 warps, 1 or 3 stages) on six sets of partials, H200 (benchmarks/split_reduce.py):
+# 2.4-6.3 us, against 3.3-17.7 for one head a program with up to 64 splits a step
+REDUCE_HEADS, REDUCE_SPLITS = 4, 32
 
 
 def waves(batch: int, kv_heads: int, max_context: int, capacity: int, splits: int,
@@ -165,18 +169,8 @@ def launch_split(kernel, out: torch.Tensor, kv_heads: int, splits: int, args: di
     kernel[grid](**args, part_out_ptr=part_out, part_lse_ptr=part_lse, num_splits=splits, PARTIAL=splits > 1,
                  work_ptr=work, **({"WORK": True} if plan is not None else {}))
     if splits > 1 and not args.get("FUSED"):
-        hb, sb = reduce_tile(B, H, splits, num_sms(out.device))
-        reduce_splits_kernel[(B, -(-H // hb))](
+        reduce_splits_kernel[(B, -(-H // REDUCE_HEADS))](
             part_out_ptr=part_out, part_lse_ptr=part_lse, out_ptr=out,
             stride_ot=out.stride(0), stride_oh=out.stride(1), seq_units_ptr=plan.seq_units if plan else work,
-            H=H, SPLITS=splits, D=D, HB=hb, SB=sb, WORK=plan is not None, num_warps=4)
+            H=H, SPLITS=splits, D=D, HB=REDUCE_HEADS, SB=REDUCE_SPLITS, WORK=plan is not None, num_warps=4)
     return out
-
-
-def reduce_tile(batch: int, heads: int, splits: int, sms: int) -> tuple[int, int]:
-    """(heads a program, splits a step) of the second-launch reduction: 64 partial rows a step at
-    most (32 KB in flight). Where one-head programs would number 8 an SM or more, heads go 4 a
-    program, 16 splits a step (2,048 one-head programs cost 7 us even at 8 splits, most of it for
-    being many; H200); a small batch keeps one head a program and up to 64 splits a step."""
-    hb = 4 if batch * heads >= 8 * sms else 1
-    return hb, min(1 << (splits - 1).bit_length(), 64 // hb)
