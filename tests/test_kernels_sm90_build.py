@@ -55,3 +55,15 @@ def test_int4_ring_holds_16_programs_an_sm(report):
     # H200 SM, where the register loads (140 registers) held 12
     r = report[CASES.index(("int4", 128, 4, 128))]
     assert resident_programs(r["registers"], r["shared"], 1, H200_SHARED_PER_SM) == 16, r
+
+
+def test_work_list_launches_keep_the_chunk_loop(report):
+    # a ragged batch's launch reads its (sequence, split) from the work list before anything else: the
+    # same registers' budget, no new spills, the loop's MMAs and wide loads, and its length within a
+    # few instructions (ptxas schedules the same loop a little differently: INT4's 387 -> 386)
+    work = _build("--work")
+    for i, w in enumerate(work):
+        r = report[i]
+        assert (w["kernel"], w["head_dim"], w["group"]) == (r["kernel"], r["head_dim"], r["group"])
+        assert 0 < w["registers"] <= (w["cap"] or 255) and w["stack"] <= r["stack"], (w, r)
+        assert (w["hmma"], w["wide_loads"]) == (r["hmma"], r["wide_loads"]) and abs(w["loop"] - r["loop"]) <= 4, (w, r)

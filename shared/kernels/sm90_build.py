@@ -161,10 +161,14 @@ CASES = [(k, 128, 4, 128) for k in ("int4", "fp8_e4m3", "fp8_e5m2", "int8")] + [
     ("int4", 128, 16, None)]
 
 
-def build_report(cases=CASES) -> list[dict]:
+def build_report(cases=CASES, work: bool = False) -> list[dict]:
+    """Each case's registers, spills, shared memory and chunk loop; `work`: the ragged batches' launch
+    (units of a work list, `work_list.py`)."""
     report = []
     for name, d, g, cap in cases:
         kernel, kv_dtype, extra = kernel_of(name)
+        if work:
+            extra = {**extra, "WORK": True}
         sass, meta = compile_sass(kernel, kv_dtype, d, g, 16, extra, cap, True, False)
         loop = chunk_loop(instructions(sass))
         report.append({"kernel": name, "head_dim": d, "group": g, "cap": cap, **meta,
@@ -193,4 +197,6 @@ def bf16_launches() -> dict:
 
 
 if __name__ == "__main__":
-    json.dump(bf16_launches() if sys.argv[1:] == ["--bf16-launches"] else build_report(), sys.stdout)
+    args = sys.argv[1:]
+    json.dump(bf16_launches() if args == ["--bf16-launches"] else build_report(CASES[:4], work=True)
+              if args == ["--work"] else build_report(), sys.stdout)
