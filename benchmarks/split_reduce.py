@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks")]
 import kernels as kb  # noqa: E402  (maps kvmesh to shared/ when needed; the timing method)
 
-from kvmesh.kernels.paged_attention import reduce_splits_kernel  # noqa: E402
+from kvmesh.kernels.partials import reduce_splits_kernel  # noqa: E402
 from kvmesh.kernels.splits import REDUCE_HEADS, REDUCE_SPLITS  # noqa: E402
 from kvmesh.kernels.work_list import BatchContexts  # noqa: E402
 

@@ -75,7 +75,7 @@ def test_reduce_splits_kernel_matches_torch(work, hb, sb):
     """The second-launch reduction, several steps of splits (9 splits, 2-4 a step) and heads not a
     multiple of a program's (6 heads, 4 a program), some splits empty (lse -inf): against log-sum-exp
     weights in torch, for the [B, H, splits] partials and a work list's [U, H] rows."""
-    from kvmesh.kernels.paged_attention import reduce_splits_kernel
+    from kvmesh.kernels.partials import reduce_splits_kernel
 
     g = torch.Generator().manual_seed(hb * sb + work)
     B, H, D, S = 3, 6, 16, 9

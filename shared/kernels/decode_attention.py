@@ -43,7 +43,8 @@ from kvmesh.kernels.decode_tiles import TILES, lo_rows_launch, one_wave_launch, 
 from kvmesh.kernels.splits import launch_split, num_sms, num_splits, resident_of
 from kvmesh.kernels.splits import resident_programs  # noqa: F401 (re-exported for callers)
 from kvmesh.kernels.paged_attention import (LOG2E, _cast_out, _check, _dot, _dot_dtype, _load_page_tile,
-                                            _softmax_step, _unit, partial_rows, work_unit)
+                                            _softmax_step, _unit)
+from kvmesh.kernels.partials import partial_rows, work_unit
 from kvmesh.kv.pool import KVCache
 
 

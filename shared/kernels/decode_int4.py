@@ -32,7 +32,8 @@ import triton.language as tl
 from kvmesh.kernels.backend import AttentionMetadata
 from kvmesh.kernels.formats import FMT_INT4
 from kvmesh.kernels.int4_codec import HEADER, code_slot
-from kvmesh.kernels.paged_attention import LOG2E, _cast_out, _check, _dot_dtype, partial_rows, work_unit
+from kvmesh.kernels.paged_attention import LOG2E, _cast_out, _check, _dot_dtype
+from kvmesh.kernels.partials import partial_rows, work_unit
 from kvmesh.kernels.splits import launch_split, num_sms, num_splits, resident_of
 from kvmesh.kv.pool import KVCache
 

@@ -149,7 +149,7 @@ def launch_split(kernel, out: torch.Tensor, kv_heads: int, splits: int, args: di
     split each program writes a normalized partial and its log2-sum-exp, and `reduce_splits_kernel`
     combines them, unless the kernel's last split does (args FUSED). A ragged batch (`contexts`)
     whose work list pays runs one program per (unit, KV head) instead (`work_list.py`, WORK)."""
-    from kvmesh.kernels.paged_attention import reduce_splits_kernel
+    from kvmesh.kernels.partials import reduce_splits_kernel
 
     B, H, D = out.shape
     plan = contexts.plan(splits, out.device) if contexts is not None and contexts.pays(splits) else None
