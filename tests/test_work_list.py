@@ -61,6 +61,7 @@ def test_split_count_of_a_ragged_batch():
     ctx = BatchContexts.of(lens)
     s = num_splits(64, 8, 32769, 132, 16, 16, ctx)
     assert s == 75 and ctx.splits_of(s).tolist() == [75] + [3] * 63
+    assert ctx.choices == {(64, 8, 32769, 132, 16, 16): 75}  # chosen once a step; every layer asks
     assert 8 * ctx.units(s) == 132 * 16  # one wave, full
     one = num_splits(64, 8, 32769, 132, 16, 16)
     assert one == 4

@@ -41,13 +41,19 @@ def num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int,
     fixed cost worth PROGRAM_COST_TOKENS): e.g. 16 x 8 programs on 132 SMs x 4 want 4 splits (one
     full wave), not 5 (a second wave 20 % full); 64 x 8 want none. `contexts`: a ragged batch's
     (None: all at max_context), whose work list splits each sequence in proportion (`waves`)."""
+    key = (batch, kv_heads, max_context, num_sms, resident_per_sm, block_n)
+    if contexts is not None and key in contexts.choices:
+        return contexts.choices[key]
     capacity = max(1, num_sms * resident_per_sm)
     most = MAX_SPLITS if contexts is None else MAX_WORK_SPLITS
     cap = max(1, min(most, max_context // max(MIN_TOKENS_PER_SPLIT, block_n)))
 
     def cost(s: int) -> float:
         return waves(batch, kv_heads, max_context, capacity, s, contexts) * (max_context / s + PROGRAM_COST_TOKENS)
-    return min(range(1, cap + 1), key=lambda s: (cost(s), s))
+    best = min(range(1, cap + 1), key=lambda s: (cost(s), s))
+    if contexts is not None:
+        contexts.choices[key] = best
+    return best
 
 
 def resident_programs(n_regs: int, shared: int, num_warps: int, smem_per_sm: int) -> int:

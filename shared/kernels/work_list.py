@@ -47,8 +47,15 @@ class BatchContexts:
 
     lens: torch.Tensor
     """int64 [B] on the CPU."""
-    _units: torch.Tensor | None = field(default=None, repr=False)
+    longest: int = field(init=False)
+    batch: int = field(init=False)
+    _units: list[int] | None = field(default=None, repr=False)
     _plans: dict = field(default_factory=dict, repr=False)
+    choices: dict = field(default_factory=dict, repr=False)
+    """Split counts chosen for this step, by launch shape (`splits.num_splits`): every layer asks."""
+
+    def __post_init__(self) -> None:
+        self.longest, self.batch = int(self.lens.max()), int(self.lens.shape[0])
 
     @classmethod
     def of(cls, contexts: list[int]) -> "BatchContexts | None":
@@ -57,10 +64,6 @@ class BatchContexts:
         if not contexts or len(contexts) >= MAX_WORK_SEQS or min(contexts) == max(contexts):
             return None
         return cls(torch.tensor(contexts, dtype=torch.int64))
-
-    @property
-    def longest(self) -> int:
-        return int(self.lens.max())
 
     @property
     def total(self) -> int:
@@ -72,25 +75,27 @@ class BatchContexts:
 
     def units(self, splits: int) -> int:
         """Units (programs per KV head) of the work list at `splits` for the longest sequence."""
-        if self._units is None:  # every count at once: the split choice asks for many
+        if self._units is None:  # every count at once: the split choice asks for each of them
             s = torch.arange(1, MAX_WORK_SPLITS + 1, dtype=torch.int64)[:, None]
-            self._units = torch.clamp((self.lens[None, :] * s + self.longest - 1) // self.longest, min=1).sum(1)
-        return int(self._units[min(splits, MAX_WORK_SPLITS) - 1])
+            self._units = torch.clamp((self.lens[None, :] * s + self.longest - 1) // self.longest, min=1).sum(1).tolist()
+        return self._units[min(splits, MAX_WORK_SPLITS) - 1]
 
     def plan(self, splits: int, device: torch.device) -> WorkPlan:
         key = (splits, device)
         if key not in self._plans:
             n = self.splits_of(splits)  # [B]
-            first = torch.cumsum(n, 0) - n
-            seq = torch.repeat_interleave(torch.arange(len(n), dtype=torch.int64), n)  # [U]
-            split = torch.arange(len(seq), dtype=torch.int64) - first[seq]
+            ends = torch.cumsum(n, 0)
+            first = ends - n
+            unit = torch.arange(int(ends[-1]), dtype=torch.int64)  # [U]
+            seq = torch.searchsorted(ends, unit, right=True)  # (repeat_interleave: 2.4 ms on the CPU)
+            split = unit - first[seq]
             work = (seq << 16) | (split << 8) | n[seq]
             self._plans[key] = WorkPlan(splits, _to(work, device), _to((first << 8) | n, device))
         return self._plans[key]
 
     def pays(self, splits: int) -> bool:
         """Whether the work list has fewer units than every sequence at `splits` would."""
-        return splits > 1 and self.units(splits) < len(self.lens) * splits
+        return splits > 1 and self.units(splits) < self.batch * splits
 
 
 def _to(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
