@@ -127,7 +127,7 @@ def test_work_list_decode_matches_torch(kv, direct, splits):
 @pytest.mark.parametrize("gqa,head_dim,bs", [(4, 128, 16), (8, 64, 32), (16, 128, 16)])
 def test_gpu_work_list_decode(kv, gqa, head_dim, bs):
     # every decode kernel over a ragged batch: the work list against one count for all and the
-    # torch reference, split reductions fused (up to 4 splits) and in a second launch (7, 40, 128)
+    # torch reference, split reductions fused (3 splits) and in a second launch (7, 128)
     lens = [0, 17, 20000, 3000, 64, 2049, 511, 129, bs - 1, bs]
     for model in (torch.float16, torch.bfloat16):
         if kv in ("fp16", "bf16") and model != {"fp16": torch.float16, "bf16": torch.bfloat16}[kv]:
@@ -137,7 +137,7 @@ def test_gpu_work_list_decode(kv, gqa, head_dim, bs):
         scale = head_dim ** -0.5
         ref = TorchBackend().attend(cache, 1, q, k, v, meta, scale)
         one_count = dataclasses.replace(meta, contexts=None)
-        for splits in (None, 3, 4, 7, 40, 128):
+        for splits in (None, 3, 7, 128):
             kernels = [lambda m: decode_attention(cache, 1, q, k, v, m, scale, splits=splits)]
             if kv in ("fp8_e4m3", "fp8_e5m2", "int8") and splits in (3, 7):
                 kernels.append(lambda m: decode_direct(cache, 1, q, k, v, m, scale, splits=splits, fused=True))
@@ -147,5 +147,5 @@ def test_gpu_work_list_decode(kv, gqa, head_dim, bs):
                 out = attend(meta)
                 err = rel_l2(out, ref)
                 assert err <= TOL[kv], f"{kv} G={gqa} D={head_dim} splits={splits}: {err:.2e}"
-                if splits is None or splits <= 64:
+                if splits is None or splits <= 7:
                     assert rel_l2(attend(one_count), ref) <= TOL[kv]
