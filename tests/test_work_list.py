@@ -67,7 +67,7 @@ def test_split_count_of_a_ragged_batch():
     assert one == 4
     assert slot_cost(64, 8, 32769, 132, 16, s, ctx) < slot_cost(64, 8, 32769, 132, 16, one) / 10
     # a count the work list does not pay at (one split) costs what it costs every sequence
-    assert waves(64, 8, 32769, 132 * 16, 1, ctx) == waves(64, 8, 32769, 132 * 16, 1)
+    assert waves(64, 8, 132 * 16, 1, ctx) == waves(64, 8, 132 * 16, 1)
 
 
 @pytest.mark.parametrize("work", [False, True])

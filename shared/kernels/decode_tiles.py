@@ -83,7 +83,7 @@ def one_wave_splits(args: dict, batch: int, kv_heads: int, context: int, sms: in
     own residency, all fit on the SMs at once; 0 where they do not, or it does not load on this GPU."""
     r = resident(args)
     s = num_splits(batch, kv_heads, context, sms, max(1, r), block_n, contexts)
-    return s if r and waves(batch, kv_heads, context, sms * r, s, contexts) == 1 else 0
+    return s if r and waves(batch, kv_heads, sms * r, s, contexts) == 1 else 0
 
 
 def one_wave_launch(args: dict, splits: int, tile: tuple[int, int], batch: int, kv_heads: int, context: int,

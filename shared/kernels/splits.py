@@ -23,10 +23,9 @@ SM_QUARTERS = 4  # an SM's schedulers, each with a quarter of the register file
 REDUCE_HEADS, REDUCE_SPLITS = 4, 32
 
 
-def waves(batch: int, kv_heads: int, max_context: int, capacity: int, splits: int,
-          contexts: BatchContexts | None = None) -> int:
+def waves(batch: int, kv_heads: int, capacity: int, splits: int, contexts: BatchContexts | None = None) -> int:
     """Waves of `capacity` programs a launch takes at `splits` for its longest sequence: every
-    sequence that many (`contexts` None: a batch all at max_context), or a ragged batch's work list
+    sequence that many (`contexts` None: all as long as the longest), or a ragged batch's work list
     (each sequence split in proportion to its context, `work_list.py`), where that has fewer units.
     Either way no program reads more than one split of the longest sequence."""
     units = contexts.units(splits) if contexts is not None and contexts.pays(splits) else batch * splits
@@ -49,7 +48,7 @@ def num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int,
     cap = max(1, min(most, max_context // max(MIN_TOKENS_PER_SPLIT, block_n)))
 
     def cost(s: int) -> float:
-        return waves(batch, kv_heads, max_context, capacity, s, contexts) * (max_context / s + PROGRAM_COST_TOKENS)
+        return waves(batch, kv_heads, capacity, s, contexts) * (max_context / s + PROGRAM_COST_TOKENS)
     best = min(range(1, cap + 1), key=lambda s: (cost(s), s))
     if contexts is not None:
         contexts.choices[key] = best
@@ -75,7 +74,7 @@ def slot_cost(batch: int, kv_heads: int, max_context: int, num_sms: int, residen
     that does not fit the GPU, `resident` 0, never wins)."""
     if resident <= 0:
         return math.inf
-    n = waves(batch, kv_heads, max_context, max(1, num_sms * resident), splits, contexts)
+    n = waves(batch, kv_heads, max(1, num_sms * resident), splits, contexts)
     return n * resident * (max_context / splits + PROGRAM_COST_TOKENS)
 
 
@@ -165,12 +164,10 @@ def launch_split(kernel, out: torch.Tensor, kv_heads: int, splits: int, args: di
         part_lse = torch.empty(*rows, dtype=torch.float32, device=out.device)
     else:
         part_out = part_lse = out  # unused
-    n = B if plan is None else plan.units
-    if plan is not None and n >= 65536 and args.get("HEADS_FIRST"):
+    n, z = (B, splits) if plan is None else (plan.units, 1)  # the batch axis: sequences or units
+    if n >= 65536 and args.get("HEADS_FIRST"):
         args = dict(args, HEADS_FIRST=False)  # the units go on x, which has room for them
-    grid = (kv_heads, n, splits) if args.get("HEADS_FIRST") else (n, kv_heads, splits)  # y and z < 65,536
-    if plan is not None:
-        grid = grid[:2] + (1,)
+    grid = (kv_heads, n, z) if args.get("HEADS_FIRST") else (n, kv_heads, z)  # y and z < 65,536
     work = plan.work if plan is not None else args["prefix_lens_ptr"]
     kernel[grid](**args, part_out_ptr=part_out, part_lse_ptr=part_lse, num_splits=splits, PARTIAL=splits > 1,
                  work_ptr=work, **({"WORK": True} if plan is not None else {}))

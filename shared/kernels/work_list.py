@@ -65,19 +65,15 @@ class BatchContexts:
             return None
         return cls(torch.tensor(contexts, dtype=torch.int64))
 
-    @property
-    def total(self) -> int:
-        return int(self.lens.sum())
-
-    def splits_of(self, splits: int) -> torch.Tensor:
-        """int64 [B]: each sequence's splits where the longest takes `splits`."""
+    def splits_of(self, splits: int | torch.Tensor) -> torch.Tensor:
+        """int64 [B]: each sequence's splits where the longest takes `splits` ([S, 1] counts: [S, B])."""
         return torch.clamp((self.lens * splits + self.longest - 1) // self.longest, min=1)
 
     def units(self, splits: int) -> int:
         """Units (programs per KV head) of the work list at `splits` for the longest sequence."""
         if self._units is None:  # every count at once: the split choice asks for each of them
-            s = torch.arange(1, MAX_WORK_SPLITS + 1, dtype=torch.int64)[:, None]
-            self._units = torch.clamp((self.lens[None, :] * s + self.longest - 1) // self.longest, min=1).sum(1).tolist()
+            counts = torch.arange(1, MAX_WORK_SPLITS + 1, dtype=torch.int64)[:, None]
+            self._units = self.splits_of(counts).sum(1).tolist()
         return self._units[min(splits, MAX_WORK_SPLITS) - 1]
 
     def plan(self, splits: int, device: torch.device) -> WorkPlan:
