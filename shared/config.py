@@ -75,6 +75,10 @@ class EngineConfig:
     """--seed: default sampling seed for requests without their own."""
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     """--attention-backend: auto = triton on a GPU, torch on the CPU."""
+    enforce_eager: bool = False
+    """--enforce-eager: launch every decode step kernel by kernel (no CUDA graphs)."""
+    max_seq_len_to_capture: int = 8192
+    """--max-seq-len-to-capture: decode steps whose longest context is longer run eagerly."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -85,3 +89,5 @@ class EngineConfig:
             raise ValueError(f"--dtype must be auto, fp32, fp16 or bf16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.max_seq_len_to_capture < 1:
+            raise ValueError(f"--max-seq-len-to-capture must be >= 1, got {self.max_seq_len_to_capture}")

@@ -37,6 +37,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--tensor-parallel-size", type=int, default=e.tensor_parallel_size)
     g.add_argument("--seed", type=int, default=e.seed, help="default sampling seed")
     g.add_argument("--attention-backend", default=e.attention_backend, choices=["auto", "torch", "triton"])
+    g.add_argument("--enforce-eager", action="store_true", default=e.enforce_eager,
+                   help="no CUDA graphs: decode steps launch kernel by kernel")
+    g.add_argument("--max-seq-len-to-capture", type=int, default=e.max_seq_len_to_capture,
+                   help="decode steps with a longer context run without CUDA graphs")
     g.add_argument("--kv-cache-dtype", default=c.kv_cache_dtype, choices=list(KV_CACHE_DTYPES))
     g.add_argument("--block-size", type=int, default=c.block_size)
     g.add_argument("--enable-prefix-caching", default=c.enable_prefix_caching,
@@ -55,7 +59,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device,
         tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+        max_seq_len_to_capture=args.max_seq_len_to_capture,
         cache=CacheConfig(block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
                           enable_prefix_caching=args.enable_prefix_caching,
                           gpu_memory_utilization=args.gpu_memory_utilization,

@@ -100,6 +100,8 @@ class StackConfig:
             value = getattr(args, flag[2:].replace("-", "_"))
             if value is not None:
                 engine += [flag, str(value)]
+        if getattr(args, "enforce_eager", False):
+            engine.append("--enforce-eager")
         if args.enable_prefix_caching is not None:
             engine.append("--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching")
         extra = tuple((role, tuple(shlex.split(getattr(args, f"{role}_args") or "")))
@@ -114,7 +116,8 @@ class StackConfig:
 
 
 _ENGINE_PASSTHROUGH = ("--dtype", "--device", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
-                       "--kv-cache-memory", "--gpu-memory-utilization", "--attention-backend", "--seed")
+                       "--kv-cache-memory", "--gpu-memory-utilization", "--attention-backend", "--seed",
+                       "--max-seq-len-to-capture")
 
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
@@ -131,6 +134,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"])
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true", help="workers run decode steps without CUDA graphs")
+    p.add_argument("--max-seq-len-to-capture", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--redis-url", default=None, help="prefix index in Redis; default one in-memory index process")
     p.add_argument("--host", default=d.host, help="address the gateway binds")

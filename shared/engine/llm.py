@@ -24,9 +24,11 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, kv_cache_memory: Optional[int] = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_model_len: Optional[int] = None, seed: int = 0,
-                 attention_backend: str = "auto", tensor_parallel_size: int = 1) -> None:
+                 attention_backend: str = "auto", tensor_parallel_size: int = 1, enforce_eager: bool = False,
+                 max_seq_len_to_capture: int = 8192) -> None:
         cfg = EngineConfig(
             model=model, dtype=dtype, device=device, seed=seed, attention_backend=attention_backend,
+            enforce_eager=enforce_eager, max_seq_len_to_capture=max_seq_len_to_capture,
             tensor_parallel_size=tensor_parallel_size,
             cache=CacheConfig(block_size=block_size, kv_cache_dtype=kv_cache_dtype,
                               enable_prefix_caching=enable_prefix_caching,

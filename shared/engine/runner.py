@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.config import EngineConfig
+from kvmesh.engine.decode_graphs import DecodeGraphs
 from kvmesh.kernels.backend import make_backend
 from kvmesh.kernels.cpu_native import load as load_native
 from kvmesh.kernels.torch_ref import TorchBackend
@@ -71,8 +72,14 @@ class ModelRunner:
         self.stage_policy = StagePolicy() if triton and kv_dtype not in ("fp16", "fp32") else NO_STAGING
         self.split_mixed = triton  # a mixed step's decode rows go to the decode kernel
         num_blocks = self._num_blocks()
-        self.cache = KVCache(self.layout, num_blocks, num_residual_slots, self.dtype, self.device)
         self.backend = make_backend(cfg.attention_backend, self.device)
+        # decode steps through CUDA graphs on a GPU with the Triton kernels; one more residual slot,
+        # owned by no sequence, takes the padding rows of a graph's batch
+        graphs = self.device.type == "cuda" and self.backend.name == "triton" and not cfg.enforce_eager
+        self.cache = KVCache(self.layout, num_blocks, num_residual_slots + graphs, self.dtype, self.device)
+        self.graphs = DecodeGraphs(self.model, self.cache, self.backend, max_seqs=cfg.scheduler.max_num_seqs,
+                                   max_context=cfg.max_seq_len_to_capture,
+                                   scratch_slot=num_residual_slots) if graphs else None
         # the C kernels (`cpu_native.py`) on the CPU: decode attention over the pool, greedy argmax
         self.native = load_native() if self.device.type == "cpu" else None
         if isinstance(self.backend, TorchBackend):
@@ -113,6 +120,10 @@ class ModelRunner:
         """Runs the model over the batch. token_chunks[i]: the new tokens of slices[i].
         Returns (sample logits [len(sample_rows), V] in the model dtype, per prompt chunk logits
         [n, V] float32)."""
+        if self.graphs is not None and self.graphs.takes(slices, rows.sample_rows, rows.prompt_rows):
+            logits = self.graphs.run([toks[0] for toks in token_chunks], slices)
+            if logits is not None:  # else the capture failed: eager, as every step from now on
+                return logits, []
         flat: list[int] = []
         pos: list[int] = []
         for toks, s in zip(token_chunks, slices):

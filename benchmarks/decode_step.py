@@ -1,0 +1,152 @@
+"""Whole decode steps, eager against CUDA graphs (H200): the engine's step as `ModelRunner.execute` runs
+it, random bf16 weights, pages in random order, every sequence at the same context.
+
+    python benchmarks/decode_step.py [--reps 20] [--shapes smollm2,llama3-8b] [--out table.md]
+
+Eager: the step's metadata built on the host (`build_attention_metadata`), then the model and the
+logits kernel by kernel. Graphs: the step's inputs staged into fixed buffers (`DecodeBatch.fill`)
+and its graph replayed (`DecodeGraphs.run`; captured before timing). Wall time a step, host
+included (what a serving loop waits), median of --reps after a warm-up; the roofline is the bytes a
+step must read (weights + KV pages with their scales) at the read bandwidth `torch.sum` reaches here.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from kernels import _make_importable  # noqa: E402  (maps kvmesh to shared/ without the install)
+
+_make_importable()
+
+from kvmesh.engine.decode_graphs import DecodeGraphs  # noqa: E402
+from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata  # noqa: E402
+from kvmesh.kernels.triton_backend import TritonBackend  # noqa: E402
+from kvmesh.kv.layout import BlockLayout  # noqa: E402
+from kvmesh.kv.pool import KVCache  # noqa: E402
+from kvmesh.model.config import ModelConfig  # noqa: E402
+from kvmesh.model.llama import LlamaForCausalLM  # noqa: E402
+
+SHAPES = {  # hidden, layers, heads, kv heads, head_dim, intermediate, vocab, tied
+    "smollm2": (576, 30, 9, 3, 64, 1536, 49152, True),
+    "llama3-8b": (4096, 32, 32, 8, 128, 14336, 128256, False),
+}
+CASES = {  # (batch, context) per shape, KV dtypes
+    "smollm2": ([(1, 512), (16, 512), (64, 512), (64, 2048), (256, 1024)], ["bf16", "int4"]),
+    "llama3-8b": ([(1, 2048), (32, 2048), (128, 2048)], ["bf16", "fp8", "int4"]),
+}
+BS = 16
+
+
+def read_bandwidth() -> float:
+    x = torch.empty(1 << 30, dtype=torch.float32, device="cuda")
+    x.normal_()
+    ts = []
+    for _ in range(10):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        x.sum()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t)
+    return 4 * x.numel() / min(ts)
+
+
+def model_of(name: str) -> LlamaForCausalLM:
+    h, layers, heads, kvh, d, inter, vocab, tied = SHAPES[name]
+    cfg = ModelConfig("LlamaForCausalLM", h, layers, heads, kvh, d, inter, vocab, 5e5, None, 1e-5, tied, False,
+                      8192, 1, (2,), "bfloat16", name)
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    return model.eval()
+
+
+def timed(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def run_case(model, name: str, kv: str, batch: int, ctx: int, reps: int, bandwidth: float) -> str:
+    cfg = model.config
+    layout = BlockLayout(num_layers=cfg.num_layers, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                         block_size=BS, kv_dtype=kv)
+    per_seq = -(-(ctx + 1) // BS)
+    pages = list(range(batch * per_seq))
+    random.Random(0).shuffle(pages)
+    tables = [pages[i * per_seq:(i + 1) * per_seq] for i in range(batch)]
+    cache = KVCache(layout, batch * per_seq, batch + 1, torch.bfloat16, "cuda")
+    cache.pool.random_(0, 256)  # timing only: any bytes stream the same
+    backend = TritonBackend()
+    graphs = DecodeGraphs(model, cache, backend, max_seqs=batch, max_context=max(ctx + 1, 512), scratch_slot=batch)
+    slices = [SeqSlice(ctx - 1, 1, tables[i], i) for i in range(batch)]  # prefix ctx - 1 + the new token
+    tokens = [random.Random(i).randrange(cfg.vocab_size) for i in range(batch)]
+
+    def eager():
+        meta = build_attention_metadata(slices, layout, cache.num_residual_slots, "cuda")
+        ids = torch.tensor(tokens, dtype=torch.long, device="cuda")
+        pos = torch.tensor([s.prefix_len for s in slices], dtype=torch.long, device="cuda")
+        return model.compute_logits(model(ids, pos, meta, cache, backend), upcast=False)
+
+    with torch.inference_mode():
+        t_eager = timed(eager, reps)
+        graphs.run(tokens, slices)  # captures
+        assert graphs.failed is None, graphs.failed
+        t_graph = timed(lambda: graphs.run(tokens, slices), reps)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_bytes = batch * ctx * layout.bytes_per_token
+    roof = (weights + kv_bytes) / bandwidth
+    del cache, graphs
+    torch.cuda.empty_cache()
+    return (f"| {name} | {kv} | {batch} | {ctx} | {t_eager * 1e3:.2f} | {t_graph * 1e3:.2f} | "
+            f"{t_eager / t_graph:.2f}x | {roof * 1e3:.2f} | {100 * roof / t_graph:.0f} % | "
+            f"{batch / t_graph:.0f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--shapes", default="smollm2,llama3-8b")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    bw = read_bandwidth()
+    lines = [f"read bandwidth (torch.sum, 4 GiB): {bw / 1e12:.2f} TB/s", "",
+             "| model shape | kv | batch | context | eager ms/step | graphs ms/step | speedup | roofline ms | "
+             "graphs % of roofline | tokens/s (graphs) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    for name in args.shapes.split(","):
+        model = model_of(name)
+        cases, dtypes = CASES[name]
+        for kv in dtypes:
+            for batch, ctx in cases:
+                try:
+                    line = run_case(model, name, kv, batch, ctx, args.reps, bw)
+                except Exception as e:  # one row lost, not the run
+                    line = f"| {name} | {kv} | {batch} | {ctx} | failed: {type(e).__name__}: {str(e)[:200]} |"
+                print(line, flush=True)
+                lines.append(line)
+        del model
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""A decode step's inputs in fixed device buffers: what a CUDA graph of the step reads.
+
+A graph replays the kernels it captured with the same pointers and grids, so every input of the
+step lives in one buffer per batch size, refilled before each replay: token ids, positions, the
+attention metadata and a write plan of fixed shape. Rows past the real batch are padding: no cached
+prefix, their new row written to a scratch residual slot that no sequence owns, no page written.
+
+The write plan has one entry per row (not one per completed block, as `metadata.build_write_plan`
+makes it): row i completes its block when its new token is the block's last, and its new K/V row is
+copied to its residual slot either way (where the block completed, that copy sits past the tail the
+next step reads, so it is never used).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvmesh.kernels.backend import AttentionMetadata, WritePlan
+from kvmesh.kernels.metadata import SeqSlice
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """The fixed shape of one captured batch."""
+
+    rows: int
+    """Sequences (the graph's batch size; real ones first, then padding)."""
+    table_width: int
+    """Block-table columns: pages of the longest context a graph serves, plus the one being filled."""
+    block_size: int
+    num_slots: int
+    """Residual slots in the cache (the write plan's rows of S start after them)."""
+    scratch_slot: int
+    """The residual slot the padding rows write into (owned by no sequence)."""
+
+
+class DecodeBatch:
+    """Host staging buffers and their device twins for one `DecodeShape`; `fill` then `metadata`."""
+
+    def __init__(self, shape: DecodeShape, device: torch.device) -> None:
+        self.shape = shape
+        n, w, bs = shape.rows, shape.table_width, shape.block_size
+        # int64: ids | positions | block ids | residual src | residual dst | block rows [n, bs]
+        self._host64 = torch.zeros(5 * n + n * bs, dtype=torch.int64)
+        # int32: prefix lens | residual slots | block tables [n, w]
+        self._host32 = torch.zeros(2 * n + n * w, dtype=torch.int32)
+        if device.type == "cuda":  # one copy each a step, not waiting on a pageable staging copy
+            self._host64, self._host32 = self._host64.pin_memory(), self._host32.pin_memory()
+        self._dev64 = torch.zeros_like(self._host64, device=device)
+        self._dev32 = torch.zeros_like(self._host32, device=device)
+        self.input_ids, self.positions = self._dev64[:n], self._dev64[n:2 * n]  # [n] each
+        self.query_start = torch.arange(n + 1, dtype=torch.int32, device=device)  # [n + 1]: one row each
+        # the last copy out of the pinned buffers: the next fill waits for it before writing them
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self.fill([], [])
+
+    def fill(self, tokens: list[int], seqs: list[SeqSlice]) -> None:
+        """Stages one decode step (tokens[i]: sequence i's new token) and copies it to the device
+        buffers, in stream order: the kernels queued before it have read the previous step's."""
+        n, w, bs = self.shape.rows, self.shape.table_width, self.shape.block_size
+        b = len(seqs)
+        if b > n:
+            raise ValueError(f"{b} sequences do not fit a decode batch of {n}")
+        if self._copied is not None:
+            self._copied.synchronize()
+        h64, h32 = self._host64.numpy(), self._host32.numpy()
+        ids, pos, block_ids, res_src, res_dst = (h64[i * n:(i + 1) * n] for i in range(5))
+        block_rows = h64[5 * n:].reshape(n, bs)
+        prefix, slots = h32[:n], h32[n:2 * n]
+        tables = h32[2 * n:].reshape(n, w)
+        new_base = self.shape.num_slots * bs  # the step's new rows follow the residual rows in S
+        p = np.array([s.prefix_len for s in seqs] + [0] * (n - b), dtype=np.int64)  # [n]
+        r = np.array([s.residual_slot for s in seqs] + [self.shape.scratch_slot] * (n - b), dtype=np.int64)
+        ids[:] = 0
+        ids[:b] = tokens
+        pos[:] = p
+        prefix[:] = p
+        slots[:] = r
+        res_src[:] = new_base + np.arange(n)
+        res_dst[:] = r * bs + p % bs
+        block_ids[:] = -1
+        completes = (p + 1) % bs == 0
+        completes[b:] = False
+        block_rows[:] = (r * bs)[:, None] + np.arange(bs)[None, :]  # the block's residual rows...
+        block_rows[:, -1] = res_src  # ...and the new one last
+        for i, s in enumerate(seqs):
+            pages = s.block_table[:w]
+            tables[i, :len(pages)] = pages
+            if completes[i]:
+                block_ids[i] = s.block_table[p[i] // bs]
+        rows = max(b, 1)  # table rows past the batch are never read (their prefix is 0)
+        self._dev64.copy_(self._host64, non_blocking=True)
+        self._dev32[:2 * n + rows * w].copy_(self._host32[:2 * n + rows * w], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    def metadata(self, max_prefix_len: int) -> AttentionMetadata:
+        """The step's metadata over the device buffers; `max_prefix_len` is what the kernels' split
+        choice sees (a graph's: the longest prefix it serves, at least the batch's real one)."""
+        n, w, bs = self.shape.rows, self.shape.table_width, self.shape.block_size
+        d64, d32 = self._dev64, self._dev32
+        write = WritePlan(block_rows=d64[5 * n:].view(n, bs), block_ids=d64[2 * n:3 * n],
+                          residual_src=d64[3 * n:4 * n], residual_dst=d64[4 * n:5 * n])
+        return AttentionMetadata(query_start_loc=self.query_start, prefix_lens=d32[:n],
+                                 block_tables=d32[2 * n:].view(n, w), residual_slots=d32[n:2 * n],
+                                 max_query_len=1, max_prefix_len=max_prefix_len, write=write)

@@ -1,0 +1,232 @@
+"""Decode steps through fixed buffers (`engine/decode_batch.py`, `engine/decode_graphs.py`): the same
+logits and the same cache as the per-step metadata path, with the batch padded to its graph size.
+
+On the CPU the buffers run eagerly (everything but the capture: padding rows, the per-row write
+plan, the scratch slot, the bucketed split choice); on a GPU (marked) the steps replay CUDA graphs
+through the Triton kernels, against the same steps launched eagerly, and SmolLM2 generates the same
+tokens with graphs as with --enforce-eager."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvmesh.engine.decode_batch import DecodeBatch, DecodeShape
+from kvmesh.engine.decode_graphs import DecodeGraphs, batch_sizes, context_bucket
+from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata
+from kvmesh.kernels.torch_ref import TorchBackend
+from kvmesh.kv.layout import BlockLayout
+from kvmesh.kv.pool import KVCache
+from kvmesh.kv.quant import dequantize_layer
+from test_kernels_model import tiny_model
+
+BS = 16
+SLOTS = 8  # residual slots the sequences own; the graph cache has one more (the scratch slot)
+
+
+def test_batch_sizes_and_context_buckets():
+    assert batch_sizes(1) == (1,)
+    assert batch_sizes(8) == (1, 2, 4, 8)
+    assert batch_sizes(20) == (1, 2, 4, 8, 16, 20)
+    assert batch_sizes(64)[-3:] == (48, 56, 64)
+    assert [context_bucket(c, 8192) for c in (1, 512, 513, 1024, 5000, 8192)] == [512, 512, 1024, 1024, 8192, 8192]
+    assert context_bucket(3000, 2048) == 2048
+
+
+def test_decode_batch_write_plan_rows():
+    """Row i's plan: block id where its token completes a block (the block's residual rows, then its new
+    row), its new row copied to its residual slot either way; padding rows write the scratch slot only."""
+    shape = DecodeShape(rows=4, table_width=6, block_size=BS, num_slots=5, scratch_slot=4)
+    batch = DecodeBatch(shape, torch.device("cpu"))
+    seqs = [SeqSlice(15, 1, [7, 9], 2), SeqSlice(20, 1, [3, 1], 0), SeqSlice(47, 1, [5, 6, 8, 2], 1)]
+    batch.fill([11, 12, 13], seqs)
+    meta = batch.metadata(max_prefix_len=511)
+    new_base = 5 * BS
+    assert meta.prefix_lens.tolist() == [15, 20, 47, 0]
+    assert meta.residual_slots.tolist() == [2, 0, 1, 4]
+    assert meta.block_tables[:3, :4].tolist() == [[7, 9, 0, 0], [3, 1, 0, 0], [5, 6, 8, 2]]
+    assert meta.write.block_ids.tolist() == [7, -1, 8, -1]
+    assert meta.write.block_rows[0].tolist() == [2 * BS + j for j in range(BS - 1)] + [new_base]
+    assert meta.write.block_rows[2].tolist() == [BS + j for j in range(BS - 1)] + [new_base + 2]
+    assert meta.write.residual_src.tolist() == [new_base + i for i in range(4)]
+    assert meta.write.residual_dst.tolist() == [2 * BS + 15, 0 * BS + 4, 1 * BS + 15, 4 * BS]
+    assert batch.input_ids.tolist() == [11, 12, 13, 0] and batch.positions.tolist() == [15, 20, 47, 0]
+    batch.fill([5], [SeqSlice(3, 1, [4], 3)])  # a smaller step: the rows it left are padding again
+    assert meta.prefix_lens.tolist() == [3, 0, 0, 0] and meta.write.block_ids.tolist() == [-1] * 4
+    assert meta.residual_slots.tolist() == [3, 4, 4, 4]
+    with pytest.raises(ValueError, match="do not fit"):
+        batch.fill([1] * 5, [SeqSlice(0, 1, [], 0)] * 5)
+
+
+def _prefill(model, cache, backend, prompts, tables):
+    """Each prompt's K/V into `cache` (one step), returns the last logits rows [B, vocab]."""
+    slices = [SeqSlice(0, len(p), t, i) for i, (p, t) in enumerate(zip(prompts, tables))]
+    meta = build_attention_metadata(slices, cache.layout, cache.num_residual_slots, cache.device)
+    ids = torch.tensor([x for p in prompts for x in p])
+    pos = torch.cat([torch.arange(len(p)) for p in prompts])
+    hidden = model(ids, pos, meta, cache, backend)
+    ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+    return model.compute_logits(hidden[ends])
+
+
+@pytest.mark.parametrize("kv", ["fp32", "int8", "int4"])
+def test_fixed_buffers_match_per_step_metadata(kv):
+    """Greedy decode of 5 ragged sequences (batch 8 with padding, then 3 of them in batch 4) for 40
+    steps, crossing block ends at different steps: the same tokens and logits as the per-step path,
+    the same pages and residual tails; nothing written but the sequences' own slots and the scratch slot."""
+    model = tiny_model("cpu")
+    cfg = model.config
+    layout = BlockLayout(num_layers=cfg.num_layers, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                         block_size=BS, kv_dtype=kv)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in (5, 30, 16, 47, 63)]
+    pages = rng.sample(range(1, 60), 5 * 8)
+    tables = [pages[8 * i:8 * i + 8] for i in range(5)]
+    eager_cache = KVCache(layout, 64, SLOTS, torch.float32)
+    graph_cache = KVCache(layout, 64, SLOTS + 1, torch.float32)
+    eager, fixed = TorchBackend(), TorchBackend()
+    graphs = DecodeGraphs(model, graph_cache, fixed, max_seqs=8, max_context=128, scratch_slot=SLOTS, capture=False)
+    a = _prefill(model, eager_cache, eager, prompts, tables)
+    b = _prefill(model, graph_cache, fixed, prompts, tables)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    tokens = a.argmax(-1).tolist()
+    lens = [len(p) for p in prompts]
+    live = list(range(5))
+    for step in range(40):
+        if step == 20:
+            live = [0, 2, 4]  # a smaller batch: bucket 4, its 4th row padding
+        slices = [SeqSlice(lens[i], 1, tables[i], i) for i in live]
+        step_tokens = [tokens[i] for i in live]
+        assert graphs.takes(slices, list(range(len(live))), [])
+        meta = build_attention_metadata(slices, layout, SLOTS, "cpu")
+        hidden = model(torch.tensor(step_tokens), torch.tensor([lens[i] for i in live]), meta, eager_cache, eager)
+        want = model.compute_logits(hidden, upcast=False)
+        got = graphs.run(step_tokens, slices)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for j, i in enumerate(live):
+            tokens[i] = int(want[j].argmax())
+            lens[i] += 1
+    used = torch.tensor(sorted({p for t in tables for p in t}))
+    tol = {"fp32": 1e-5, "int8": 0.02, "int4": 0.3}[kv]  # a code may round apart (batch shapes sum apart)
+    for layer in range(cfg.num_layers):
+        got = dequantize_layer(graph_cache.layer_view(layer), used, kv)
+        want = dequantize_layer(eager_cache.layer_view(layer), used, kv)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=tol)
+            assert (g - w).norm() <= 1e-2 * w.norm()
+    for i in range(5):
+        n = lens[i] % BS
+        torch.testing.assert_close(graph_cache.residual[i][..., :n, :], eager_cache.residual[i][..., :n, :],
+                                   rtol=1e-5, atol=1e-5)
+    assert graph_cache.residual[5:SLOTS].abs().sum() == 0  # slots no sequence owns stay untouched
+    assert graph_cache.residual[SLOTS].abs().sum() > 0  # the padding rows wrote their scratch slot
+
+
+def test_steps_the_graphs_do_not_take():
+    model = tiny_model("cpu")
+    layout = BlockLayout(num_layers=2, kv_heads=2, head_dim=32, block_size=BS, kv_dtype="fp32")
+    graphs = DecodeGraphs(model, KVCache(layout, 8, 3, torch.float32), TorchBackend(), max_seqs=2,
+                          max_context=64, scratch_slot=2, capture=False)
+    one = SeqSlice(10, 1, [1], 0)
+    assert graphs.takes([one], [0], [])
+    assert not graphs.takes([one, one, one], [0, 1, 2], [])  # more than --max-num-seqs
+    assert not graphs.takes([SeqSlice(10, 2, [1], 0)], [0], [])  # a prompt chunk
+    assert not graphs.takes([one], [0], [(0, 1, 0)])  # prompt logprobs
+    assert not graphs.takes([SeqSlice(64, 1, [1, 2, 3, 4, 5], 0)], [0], [])  # context past the limit
+    assert not graphs.takes([], [], [])
+
+
+def _smollm2_shaped(layers: int = 4):
+    """SmolLM2's attention shape (9 query heads over 3 KV heads, head_dim 64), fewer layers, random fp16."""
+    from kvmesh.model.config import ModelConfig
+    from kvmesh.model.llama import LlamaForCausalLM
+    cfg = ModelConfig("LlamaForCausalLM", 576, layers, 9, 3, 64, 1536, 49152, 1e5, None, 1e-5, True, False,
+                      8192, 1, (2,), "float16", "smollm2-shape")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    return model.half().eval()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["fp16", "fp8_e4m3", "int8", "int4"])
+def test_gpu_graph_replays_equal_eager_steps(kv):
+    """Through the Triton kernels: 12 ragged sequences (batch 16, 4 padding rows), then 5 of them
+    (batch 8), 48 steps across block ends and context buckets (prompts 30-668 tokens): each
+    replay's logits within 3e-3 (relative L2) of the same step launched eagerly, the same greedy
+    tokens, one graph per (batch, context bucket), the pages and tails alike."""
+    from kvmesh.kernels.triton_backend import TritonBackend
+    model = _smollm2_shaped()
+    cfg = model.config
+    layout = BlockLayout(num_layers=cfg.num_layers, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                         block_size=BS, kv_dtype=kv)
+    rng = random.Random(5)
+    lens = [rng.randrange(1, 700) for _ in range(11)] + [470]  # 262, 368, 30, 54 among the first; 470 + 24 + 24 crosses 512
+    prompts = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in lens]
+    width = 48
+    pages = rng.sample(range(1, 12 * width + 40), 12 * width)
+    tables = [pages[width * i:width * (i + 1)] for i in range(12)]
+    slots = 16
+    eager_cache = KVCache(layout, 12 * width + 40, slots, torch.float16, "cuda")
+    graph_cache = KVCache(layout, 12 * width + 40, slots + 1, torch.float16, "cuda")
+    eager, fixed = TritonBackend(), TritonBackend()
+    graphs = DecodeGraphs(model, graph_cache, fixed, max_seqs=16, max_context=2048, scratch_slot=slots)
+    with torch.inference_mode():
+        a = _prefill(model, eager_cache, eager, prompts, tables)
+        b = _prefill(model, graph_cache, fixed, prompts, tables)
+        tokens = a.argmax(-1).tolist()
+        live = list(range(12))
+        for step in range(48):
+            if step == 24:  # the short ones: the 512 bucket, then 1,024 once the last passes 511 tokens
+                live = [1, 2, 5, 9, 11]
+            slices = [SeqSlice(lens[i], 1, tables[i], i) for i in live]
+            step_tokens = [tokens[i] for i in live]
+            meta = build_attention_metadata(slices, layout, slots, "cuda")
+            pos = torch.tensor([lens[i] for i in live], device="cuda")
+            want = model.compute_logits(model(torch.tensor(step_tokens, device="cuda"), pos, meta, eager_cache,
+                                              eager), upcast=False).float()
+            got = graphs.run(step_tokens, slices).float()
+            err = ((got - want).norm() / want.norm()).item()
+            assert err < 3e-3, f"step {step}: logits {err:.2e} apart"
+            for j, i in enumerate(live):
+                tokens[i] = int(want[j].argmax())
+                lens[i] += 1
+    assert graphs.failed is None and graphs.replays == 48
+    assert graphs.captured == [(8, 512), (8, 1024), (16, 1024)], graphs.captured
+    for i in range(12):
+        n = lens[i] % BS
+        torch.testing.assert_close(graph_cache.residual[i][..., :n, :], eager_cache.residual[i][..., :n, :],
+                                   rtol=2e-2, atol=2e-2)
+    used = torch.tensor(sorted({p for t in tables for p in t[:(max(lens) // BS)]}), device="cuda")
+    for layer in range(cfg.num_layers):
+        for g, w in zip(dequantize_layer(graph_cache.layer_view(layer), used, kv),
+                        dequantize_layer(eager_cache.layer_view(layer), used, kv)):
+            assert (g - w).norm() <= 2e-2 * w.norm()
+
+
+@pytest.mark.gpu
+def test_gpu_smollm2_graphs_equal_enforce_eager():
+    """The engine with graphs (the default on a GPU) against --enforce-eager, SmolLM2, fp16: the
+    same greedy tokens but at exact ties (the split counts differ: sums in another order), and the
+    graphs served the decode steps."""
+    from kvmesh import LLM, SamplingParams
+    from test_smollm2_gpu import NEW_TOKENS, PROMPTS, TIE_NATS, _identical_or_tied, _model
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(_model(), dtype="fp16", device="cuda", kv_cache_dtype="fp16", kv_cache_memory=256 << 20,
+                  max_num_seqs=8, enforce_eager=eager)
+        runs[eager] = [(o.outputs[0].token_ids, [lp.top for lp in o.outputs[0].logprobs])
+                       for o in llm.chat(PROMPTS, sp)]
+        graphs = llm.llm_engine.runner.graphs
+        assert (graphs is None) == eager
+        if not eager:
+            assert graphs.failed is None and graphs.replays >= NEW_TOKENS - 1 and graphs.captured
+        llm.llm_engine.kv.check_integrity()
+        del llm
+        torch.cuda.empty_cache()
+    assert _identical_or_tied(runs[True], runs[False], "graphs vs eager", TIE_NATS, same_top2=True) >= 1
