@@ -36,7 +36,7 @@ SHAPES = {  # hidden, layers, heads, kv heads, head_dim, intermediate, vocab, ti
 }
 CASES = {  # (batch, context) per shape, KV dtypes
     "smollm2": ([(1, 512), (16, 512), (64, 512), (64, 2048), (256, 1024)], ["bf16", "int4"]),
-    "llama3-8b": ([(1, 2048), (32, 2048), (128, 2048)], ["bf16", "fp8", "int4"]),
+    "llama3-8b": ([(1, 2048), (32, 2048), (128, 2048)], ["bf16", "fp8_e4m3", "int4"]),
 }
 BS = 16
 

