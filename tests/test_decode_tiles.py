@@ -98,3 +98,15 @@ def test_fp16_deep_tile_is_passed_over_where_it_does_not_load():
     args, s = one_wave_launch(base, 3, tiles.one_wave, 16, KVH, 16385, SMS,
                               lambda a: 0 if a["BLOCK_N"] == 128 else 4)
     assert (args, s) == (base, 3)
+
+
+@pytest.mark.parametrize("head_dim, want", [(16, 0), (32, 1), (128, 1)])
+def test_int8_splits_its_codes_only_where_the_halves_dot_compiles(head_dim, want):
+    """The even/odd halves' score dot has K = head_dim / 2, which Triton needs >= 16: at head_dim 16
+    the int8 tile reads whole codes (it failed to compile on the H200 there)."""
+    import triton.language as tl
+    from kvmesh.kernels.decode_tiles import plain_constexprs
+    from kvmesh.kv.layout import BlockLayout
+    layout = BlockLayout(num_layers=2, kv_heads=2, head_dim=head_dim, block_size=16, kv_dtype="int8")
+    consts, _, _ = plain_constexprs(layout, 2, tl.float16)
+    assert consts["SPLIT"] == want

@@ -125,8 +125,9 @@ def plain_constexprs(L: BlockLayout, G: int, dot: tl.dtype, *, block_n: int | No
         raise ValueError(f"block_n must be a multiple of the block size {L.block_size}, got {block_n}")
     native_cvt = tiles.native_cvt if native_cvt is None else native_cvt
     tail_early = tiles.tail_early and llama_shape if tail_early is None else tail_early
-    split_codes = int(tiles.split_codes if split_codes is None else split_codes) if fmt in (
-        FMT_E4M3, FMT_E5M2, FMT_INT8) else 0
+    if split_codes is None:  # the halves' score dot needs K = D / 2 >= 16 (head_dim 16 failed to compile)
+        split_codes = tiles.split_codes if D >= 32 else 0
+    split_codes = int(split_codes) if fmt in (FMT_E4M3, FMT_E5M2, FMT_INT8) else 0
     unit = _unit(fmt)
     consts = dict(
         V_OFF=L.v_data_offset // unit, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset,
