@@ -25,6 +25,7 @@ from kvmesh.kv.quant import QuantizedBlocks, int4_key_codes, quantize_blocks, st
 
 DTYPES = ["fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
 ON_GPU = torch.cuda.is_available()
+DEV = "cuda" if ON_GPU else "cpu"
 
 
 def pair_of_caches(kv: str, head_dim: int, bs: int, n_pages: int, model_dtype: torch.dtype,
@@ -279,3 +280,29 @@ def test_int4_hard_blocks_byte_exact(device):
     store_blocks(ref.layer_view(0), torch.arange(n), quantize_blocks(k, v, "int4"))
     got.pool = got.pool.cpu()
     assert_pages_match("int4", got, ref)
+
+
+# the engine's residual is in the model's dtype; a widening cast is exact (the interpreter's narrowing
+# fp32 -> bf16 cast truncates, where torch and the GPU round to nearest even)
+@pytest.mark.parametrize("model_dtype, res_dtype, kv_heads, head_dim", [
+    (torch.float16, torch.float16, 3, 64), (torch.bfloat16, torch.bfloat16, 2, 48), (torch.bfloat16, torch.float32, 5, 16)])
+def test_copy_to_residual_rows(model_dtype, res_dtype, kv_heads, head_dim):
+    """The leftover rows' one launch: new rows of k and v (views into a wider qkv row, as the model
+    passes them) land at their residual rows of one layer in the residual's dtype; nothing else moves."""
+    from kvmesh.kernels.cache_write import copy_to_residual
+    layout = BlockLayout(num_layers=3, kv_heads=kv_heads, head_dim=head_dim, block_size=16, kv_dtype="int8")
+    cache = KVCache(layout, 4, 5, res_dtype, DEV)
+    g = torch.Generator().manual_seed(head_dim)
+    cache.residual.copy_(torch.randn(cache.residual.shape, generator=g).to(res_dtype))
+    before = cache.residual.clone()
+    qkv = torch.randn(7, 4 * kv_heads, head_dim, generator=g).to(model_dtype).to(DEV)  # [T, q + k + v heads, D]
+    k, v = qkv[:, 2 * kv_heads:3 * kv_heads], qkv[:, 3 * kv_heads:]  # strided rows, contiguous heads
+    R = 5 * 16
+    src = torch.tensor([R + 6, R + 0, R + 3], dtype=torch.int64, device=DEV)
+    dst = torch.tensor([4 * 16 + 15, 0 * 16 + 2, 2 * 16 + 9], dtype=torch.int64, device=DEV)
+    copy_to_residual(cache, 1, k, v, src, dst)
+    want = before.clone()
+    for s, d in zip(src.tolist(), dst.tolist()):
+        want[d // 16, 1, 0, :, d % 16] = k[s - R].cpu().to(res_dtype)
+        want[d // 16, 1, 1, :, d % 16] = v[s - R].cpu().to(res_dtype)
+    assert torch.equal(cache.residual.cpu(), want)

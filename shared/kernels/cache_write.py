@@ -294,19 +294,37 @@ def write_blocks(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
     )
 
 
+@triton.jit
+def _residual_rows_kernel(res_ptr, k_ptr, v_ptr, src_ptr, dst_ptr, slot_stride, res_layer_off, stride_kt, stride_vt,
+                          R, KVH: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, KVH_P: tl.constexpr,
+                          D_P: tl.constexpr):
+    """One program per leftover row: new row src - R of k and v [T, KVH, D] -> residual row dst (slot *
+    BS + offset) of one layer, every KV head, converted to the residual's dtype."""
+    m = tl.program_id(0)
+    n = (tl.load(src_ptr + m) - R).to(tl.int64)  # [] the new row
+    d = tl.load(dst_ptr + m).to(tl.int64)
+    h = tl.arange(0, KVH_P)[:, None]  # [KVH_P, 1]
+    c = tl.arange(0, D_P)[None, :]  # [1, D_P]
+    mask = (h < KVH) & (c < D)
+    out = res_ptr + (d // BS) * slot_stride + res_layer_off + (h * BS + d % BS) * D + c  # K half; V KVH BS D on
+    ty = res_ptr.dtype.element_ty
+    tl.store(out, tl.load(k_ptr + n * stride_kt + h * D + c, mask=mask).to(ty), mask=mask)
+    tl.store(out + KVH * BS * D, tl.load(v_ptr + n * stride_vt + h * D + c, mask=mask).to(ty), mask=mask)
+
+
 def copy_to_residual(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
                      src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Leftover rows `src` of S -> residual rows `dst` (slot * bs + offset), full precision.
-    Gathers everything before writing: a leftover may land on a row a completed block consumed."""
+    """Leftover rows `src` of S -> residual rows `dst` (slot * bs + offset), full precision, in one
+    launch. Leftovers are new rows (>= num_slots * bs; `metadata.build_write_plan` and
+    `DecodeBatch` make them so): a residual row is either consumed by a completed block or left where
+    it is, so no copy reads a row another copy writes. k, v: [T, KVH, D] with contiguous heads."""
     if src.numel() == 0:
         return
-    bs = cache.layout.block_size
-    base = cache.num_residual_slots * bs
-    res = cache.residual[:, layer]  # [S, 2, KVH, bs, D]
-    is_new = (src >= base)[:, None, None]
-    r = src.clamp(max=base - 1)
-    n = (src - base).clamp(min=0)
-    tk = torch.where(is_new, k[n].to(res.dtype), res[:, 0][r // bs, :, r % bs])  # [m, KVH, D]
-    tv = torch.where(is_new, v[n].to(res.dtype), res[:, 1][r // bs, :, r % bs])
-    res[:, 0][dst // bs, :, dst % bs] = tk
-    res[:, 1][dst // bs, :, dst % bs] = tv
+    L = cache.layout
+    res = cache.residual  # [S, layers, 2, KVH, bs, D]
+    _check_rows("k", k, L)
+    _check_rows("v", v, L)
+    _residual_rows_kernel[(int(src.shape[0]),)](
+        res, k, v, src, dst, res.stride(0), layer * res.stride(1), k.stride(0), v.stride(0),
+        cache.num_residual_slots * L.block_size, KVH=L.kv_heads, BS=L.block_size, D=L.head_dim,
+        KVH_P=triton.next_power_of_2(L.kv_heads), D_P=triton.next_power_of_2(L.head_dim), num_warps=1)

@@ -4,8 +4,8 @@ attend: `decode_attention` when every sequence has one new token, else `prefill_
 mixed step split by the metadata (`MixedSplit`) runs its decode rows through the first, the rest
 through the second.
 write: `cache_write.write_blocks` quantizes completed blocks into their pages (-1 ids skipped),
-then the leftover rows are copied to the residual slots (in that order: the kernel reads residual
-rows that the copy may overwrite).
+then `cache_write.copy_to_residual` copies the leftover rows to the residual slots in one launch (in
+that order: the block kernel reads residual rows that the copy may overwrite).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class TritonBackend:
 
     def attend(self, cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        k, v = k.contiguous(), v.contiguous()
+        k, v = _head_rows(k), _head_rows(v)
         if meta.is_decode:
             return decode_attention(cache, layer, q, k, v, meta, scale)
         if meta.mixed is None:
@@ -44,6 +44,15 @@ class TritonBackend:
     def write(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
               meta: AttentionMetadata) -> None:
         plan = meta.write
-        k, v = k.contiguous(), v.contiguous()
+        k, v = _head_rows(k), _head_rows(v)
         write_blocks(cache, layer, k, v, plan.block_rows, plan.block_ids)
         copy_to_residual(cache, layer, k, v, plan.residual_src, plan.residual_dst)
+
+
+def _head_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, KVH, D] as the kernels read it: rows at any stride, heads and channels contiguous. The
+    model's k and v are views into its qkv projection that already are (a copy would be two more
+    kernels a layer, twice: attend and write)."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.contiguous()

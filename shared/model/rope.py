@@ -10,6 +10,8 @@ import math
 import torch
 from torch import nn
 
+from kvmesh.kernels.rope import apply_rope
+
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """float32 [D/2]: the rotation frequency of each channel pair."""
@@ -51,7 +53,15 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D] -> rotated x (first half pairs with second half)."""
+        """x [T, heads, D] -> rotated x (first half pairs with second half). On a GPU one Triton
+        launch (`kernels/rope.py`: five torch kernels a layer otherwise)."""
+        if x.is_cuda and x.stride(2) == 1 and x.stride(1) == x.shape[2] and not x.shape[2] & (x.shape[2] - 1):
+            return apply_rope(x, cos, sin)
+        return RotaryEmbedding.rotate(x, cos, sin)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The torch form of `apply` (the CPU, and the reference of the Triton kernel)."""
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin

@@ -1,0 +1,43 @@
+"""Rotary position embedding in one Triton launch (GPU): HF's rotate-half, every head of a token in one
+program. In torch it is five kernels a layer (a negation, a concatenation, two products, a sum),
+which a decode step's CUDA graph replays one after another at a few microseconds each.
+
+out[t, h, c] = x[t, h, c] cos[t, c] + sign(c) x[t, h, (c + D/2) mod D] sin[t, c], sign -1 on the first
+half; computed in fp32 and rounded once to x's dtype (torch rounds each of its three ops).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_ct, stride_st, heads,
+                 D: tl.constexpr, HP: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, HP)[:, None]  # [HP, 1]
+    c = tl.arange(0, D)[None, :]  # [1, D]
+    mask = (h < heads) & (c < D)
+    row = x_ptr + t * stride_xt + h * D
+    x = tl.load(row + c, mask=mask).to(tl.float32)  # [HP, D]
+    partner = tl.load(row + (c + D // 2) % D, mask=mask).to(tl.float32)
+    cos = tl.load(cos_ptr + t * stride_ct + c).to(tl.float32)  # [1, D]
+    sin = tl.load(sin_ptr + t * stride_st + c).to(tl.float32)
+    rotated = tl.where(c < D // 2, -partner, partner)
+    out = x * cos + rotated * sin
+    tl.store(out_ptr + (t * heads + h) * D + c, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] (rows at any stride, heads and channels contiguous), cos / sin [T, 1, D] ->
+    rotated x, a new contiguous [T, heads, D] tensor in x's dtype."""
+    T, heads, D = x.shape
+    if x.stride(2) != 1 or x.stride(1) != D or D & (D - 1):
+        raise ValueError(f"x must be [T, heads, D] with contiguous heads and a power-of-two D, got "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+    out = torch.empty(T, heads, D, dtype=x.dtype, device=x.device)
+    if T:
+        _rope_kernel[(T,)](x, cos, sin, out, x.stride(0), cos.stride(0), sin.stride(0), heads, D=D,
+                           HP=triton.next_power_of_2(heads), num_warps=4 if heads * D >= 2048 else 1)
+    return out
