@@ -4,7 +4,8 @@ Launched kernel by kernel, a decode step costs the host about a millisecond a la
 each with its Python around it) while the GPU works a tenth of that: small batches are bound by the
 launches, not by memory. A graph replays the whole step's kernels in one launch.
 
-One graph per (batch size, context bucket), captured the first time a step needs it:
+One graph per (batch size, context bucket): every batch size at the smallest bucket when the engine
+starts (`warm_up`), the longer buckets the first time a step needs them:
 - the batch is padded up to the next of 1, 2, 4, 8, 16, 24, ... (`batch_sizes`); its inputs live in
   fixed buffers (`decode_batch.py`), refilled before each replay;
 - the decode kernels choose their split counts on the host from the longest context; a graph
@@ -68,6 +69,16 @@ class DecodeGraphs:
     def captured(self) -> list[tuple[int, int]]:
         """(batch size, context bucket) of every graph held."""
         return sorted(self._graphs)
+
+    def warm_up(self) -> None:
+        """Captures every batch size at the smallest context bucket now (a serving engine at start),
+        so short steps never stall on a capture; longer buckets are captured as steps meet them."""
+        if not self.capture:
+            return
+        ctx = context_bucket(1, self.max_context)
+        for n in self.sizes:
+            if self.failed is None and (n, ctx) not in self._graphs:
+                self._capture(self._batch(n), n, ctx)
 
     def takes(self, seqs: list[SeqSlice], sample_rows: list[int], prompt_rows: list) -> bool:
         """Whether the step is a decode step a graph serves: every sequence one new token, sampled,

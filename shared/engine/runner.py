@@ -80,6 +80,8 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.cache, self.backend, max_seqs=cfg.scheduler.max_num_seqs,
                                    max_context=cfg.max_seq_len_to_capture,
                                    scratch_slot=num_residual_slots) if graphs else None
+        if self.graphs is not None:
+            self.graphs.warm_up()  # ~0.1 s a batch size (H200): no step stalls on a short capture
         # the C kernels (`cpu_native.py`) on the CPU: decode attention over the pool, greedy argmax
         self.native = load_native() if self.device.type == "cpu" else None
         if isinstance(self.backend, TorchBackend):
