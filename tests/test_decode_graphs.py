@@ -215,27 +215,14 @@ def test_gpu_engine_graphs_equal_enforce_eager(kv, tmp_path):
     """The engine with graphs (the default on a GPU) against --enforce-eager over a tiny random HF
     Llama (confident argmaxes): 11 prompts at --max-num-seqs 8, so batches of 8 and 3 (padded to 4)
     as requests finish and the queue refills: the same greedy tokens, and the graphs served the steps."""
-    from kvmesh.config import CacheConfig, EngineConfig, SchedulerConfig
-    from kvmesh.engine.engine import LLMEngine
-    from kvmesh.engine.sampling_params import SamplingParams
+    from test_engine_gpu import _run
     from test_engine_models import make_tiny_model, random_prompts
     make_tiny_model(tmp_path, "llama", seed=7)
     prompts = random_prompts(11, 5, 90, seed=2)
     runs = {}
     for eager in (True, False):
-        eng = LLMEngine(EngineConfig(model=str(tmp_path), device="cuda", dtype="fp32", attention_backend="triton",
-                                     enforce_eager=eager,
-                                     cache=CacheConfig(kv_cache_dtype=kv, kv_cache_memory=16 << 20),
-                                     scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256)))
-        for i, p in enumerate(prompts):
-            eng.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=20 + 3 * i, ignore_eos=True))
-        final = {}
-        while eng.has_unfinished():
-            for o in eng.step():
-                if o.finished:
-                    final[o.request_id] = o.outputs[0].token_ids
-        eng.kv.check_integrity()
-        runs[eager] = [final[f"r{i}"] for i in range(len(prompts))]
+        runs[eager], eng = _run(str(tmp_path), "triton", kv, prompts, [20 + 3 * i for i in range(11)],
+                                enforce_eager=eager, kv_cache_memory=16 << 20)
         graphs = eng.runner.graphs
         assert (graphs is None) == eager
         if not eager:  # every size captured at start at 512, and nothing longer was needed

@@ -20,16 +20,18 @@ except ImportError:  # script mode on a machine without pytest
         return f
 
 
-def _run(model: str, backend: str, kv_dtype: str, prompts, new: int, **cache) -> tuple[list, object]:
+def _run(model: str, backend: str, kv_dtype: str, prompts, new: int | list[int], enforce_eager: bool = False,
+         **cache) -> tuple[list, object]:
+    """Greedy tokens of each prompt (`new` of them, or new[i] for prompt i) and the engine."""
     from kvmesh.config import CacheConfig, EngineConfig, SchedulerConfig
     from kvmesh.engine.engine import LLMEngine
     from kvmesh.engine.sampling_params import SamplingParams
     eng = LLMEngine(EngineConfig(model=model, device="cuda", dtype="fp32", attention_backend=backend,
-                                 cache=CacheConfig(kv_cache_dtype=kv_dtype, **cache),
+                                 enforce_eager=enforce_eager, cache=CacheConfig(kv_cache_dtype=kv_dtype, **cache),
                                  scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)))
-    sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", p, sp)
+        n = new if isinstance(new, int) else new[i]
+        eng.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     final = {}
     while eng.has_unfinished():
         for o in eng.step():

@@ -29,11 +29,18 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_ct, stride_
     tl.store(out_ptr + (t * heads + h) * D + c, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def reads(x: torch.Tensor) -> bool:
+    """Whether the kernel reads x [T, heads, D]: rows at any stride, heads and channels contiguous,
+    D a power of two."""
+    D = x.shape[2]
+    return x.stride(2) == 1 and x.stride(1) == D and not D & (D - 1)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] (rows at any stride, heads and channels contiguous), cos / sin [T, 1, D] ->
-    rotated x, a new contiguous [T, heads, D] tensor in x's dtype."""
+    """x [T, heads, D] (`reads(x)`), cos / sin [T, 1, D] -> rotated x, a new contiguous [T, heads, D]
+    tensor in x's dtype."""
     T, heads, D = x.shape
-    if x.stride(2) != 1 or x.stride(1) != D or D & (D - 1):
+    if not reads(x):
         raise ValueError(f"x must be [T, heads, D] with contiguous heads and a power-of-two D, got "
                          f"{tuple(x.shape)} strides {x.stride()}")
     out = torch.empty(T, heads, D, dtype=x.dtype, device=x.device)

@@ -10,7 +10,7 @@ import math
 import torch
 from torch import nn
 
-from kvmesh.kernels.rope import apply_rope
+from kvmesh.kernels import rope as rope_kernel
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -55,8 +55,8 @@ class RotaryEmbedding(nn.Module):
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D] -> rotated x (first half pairs with second half). On a GPU one Triton
         launch (`kernels/rope.py`: five torch kernels a layer otherwise)."""
-        if x.is_cuda and x.stride(2) == 1 and x.stride(1) == x.shape[2] and not x.shape[2] & (x.shape[2] - 1):
-            return apply_rope(x, cos, sin)
+        if x.is_cuda and rope_kernel.reads(x):
+            return rope_kernel.apply_rope(x, cos, sin)
         return RotaryEmbedding.rotate(x, cos, sin)
 
     @staticmethod
