@@ -1,7 +1,7 @@
 """Whole decode steps, eager against CUDA graphs (H200): the engine's step as `ModelRunner.execute` runs
 it, random bf16 weights, pages in random order, every sequence at the same context.
 
-    python benchmarks/decode_step.py [--reps 20] [--shapes smollm2,llama3-8b] [--out table.md]
+    python benchmarks/decode_step.py [--reps 20] [--shapes smollm2,llama3-8b] [--out table.md] [--profile]
 
 Eager: the step's metadata built on the host (`build_attention_metadata`), then the model and the
 logits kernel by kernel. Graphs: the step's inputs staged into fixed buffers (`DecodeBatch.fill`)
@@ -9,10 +9,15 @@ and its graph replayed (`DecodeGraphs.run`; captured before timing, the first st
 the capture, in the last column). Wall time a step, host
 included (what a serving loop waits), median of --reps after a warm-up; the roofline is the bytes a
 step must read (weights + KV pages with their scales) at the read bandwidth `torch.sum` reaches here.
+Beside it, the same graphs captured with the torch forms of the GPU fusions (`torch_forms`: silu then
+a product; the residual added after each GEMM by its own kernel). --profile prints each shape's first
+case's kernels an eager step, by name.
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import random
 import statistics
 import time
@@ -28,6 +33,7 @@ from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata  # noqa: 
 from kvmesh.kernels.triton_backend import TritonBackend  # noqa: E402
 from kvmesh.kv.layout import BlockLayout  # noqa: E402
 from kvmesh.kv.pool import KVCache  # noqa: E402
+from kvmesh.model import llama  # noqa: E402
 from kvmesh.model.config import ModelConfig  # noqa: E402
 from kvmesh.model.llama import LlamaForCausalLM  # noqa: E402
 
@@ -71,6 +77,38 @@ def model_of(name: str) -> LlamaForCausalLM:
     return model.eval()
 
 
+@contextlib.contextmanager
+def torch_forms():
+    """The step as it ran before the GPU fusions, for a side-by-side column: silu then a product, and
+    the residual added by its own kernel after each of the two GEMMs."""
+    saved = llama._add_linear, llama._gated_silu
+
+    def add_linear(residual, lin, x):
+        return residual + lin(x)
+
+    def gated(gate_up, inter):
+        gate, up = gate_up.split(inter, dim=-1)
+        return torch.nn.functional.silu(gate).mul_(up)
+
+    llama._add_linear, llama._gated_silu = add_linear, gated
+    try:
+        yield
+    finally:
+        llama._add_linear, llama._gated_silu = saved
+
+
+def kernel_counts(fn) -> collections.Counter:
+    """Kernels one call of fn launches, by name (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return collections.Counter(e.name for e in prof.events() if e.device_type.name == "CUDA"
+                               and not e.name.startswith(("Memcpy", "Memset")))
+
+
 def timed(fn, reps: int) -> float:
     for _ in range(3):
         fn()
@@ -84,7 +122,7 @@ def timed(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
-def run_case(model, name: str, kv: str, batch: int, ctx: int, reps: int, bandwidth: float) -> str:
+def run_case(model, name: str, kv: str, batch: int, ctx: int, reps: int, bandwidth: float, profile: bool) -> str:
     cfg = model.config
     layout = BlockLayout(num_layers=cfg.num_layers, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                          block_size=BS, kv_dtype=kv)
@@ -95,7 +133,11 @@ def run_case(model, name: str, kv: str, batch: int, ctx: int, reps: int, bandwid
     cache = KVCache(layout, batch * per_seq, batch + 1, torch.bfloat16, "cuda")
     cache.pool.random_(0, 256)  # timing only: any bytes stream the same
     backend = TritonBackend()
-    graphs = DecodeGraphs(model, cache, backend, max_seqs=batch, max_context=max(ctx + 1, 512), scratch_slot=batch)
+
+    def new_graphs():
+        return DecodeGraphs(model, cache, backend, max_seqs=batch, max_context=max(ctx + 1, 512), scratch_slot=batch)
+
+    graphs = new_graphs()
     slices = [SeqSlice(ctx - 1, 1, tables[i], i) for i in range(batch)]  # prefix ctx - 1 + the new token
     tokens = [random.Random(i).randrange(cfg.vocab_size) for i in range(batch)]
 
@@ -114,12 +156,26 @@ def run_case(model, name: str, kv: str, batch: int, ctx: int, reps: int, bandwid
         t_capture = time.perf_counter() - t
         assert graphs.failed is None, graphs.failed
         t_graph = timed(lambda: graphs.run(tokens, slices), reps)
+        with torch_forms():
+            before = new_graphs()
+            t_before = timed(lambda: before.run(tokens, slices), reps)
+            assert before.failed is None, before.failed
+            if profile:
+                old = kernel_counts(eager)
+        if profile:
+            new = kernel_counts(eager)
+            print(f"kernels an eager step, {name} {kv} batch {batch}: {sum(new.values())} "
+                  f"(torch silu/add: {sum(old.values())})", flush=True)
+            for k, n in new.most_common(25):
+                print(f"  {n:5d} {k[:110]}", flush=True)
+        del before
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_bytes = batch * ctx * layout.bytes_per_token
     roof = (weights + kv_bytes) / bandwidth
     del cache, graphs
     torch.cuda.empty_cache()
     return (f"| {name} | {kv} | {batch} | {ctx} | {t_eager * 1e3:.2f} | {t_graph * 1e3:.2f} | "
+            f"{t_before * 1e3:.2f} | {t_before / t_graph:.3f} | "
             f"{t_eager / t_graph:.2f}x | {roof * 1e3:.2f} | {100 * roof / t_graph:.0f} % | "
             f"{batch / t_graph:.0f} | {t_capture * 1e3:.0f} |")
 
@@ -129,20 +185,22 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--shapes", default="smollm2,llama3-8b")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true", help="kernel counts of each shape's first case")
     args = ap.parse_args()
     bw = read_bandwidth()
     lines = [f"read bandwidth (torch.sum, 4 GiB): {bw / 1e12:.2f} TB/s", "",
-             "| model shape | kv | batch | context | eager ms/step | graphs ms/step | speedup | roofline ms | "
-             "graphs % of roofline | tokens/s (graphs) | first step, with its capture, ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model shape | kv | batch | context | eager ms/step | graphs ms/step | graphs, torch silu/add ms | "
+             "torch silu/add ÷ fused | speedup | roofline ms | graphs % of roofline | tokens/s (graphs) | "
+             "first step, with its capture, ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     for name in args.shapes.split(","):
         model = model_of(name)
         cases, dtypes = CASES[name]
         for kv in dtypes:
-            for batch, ctx in cases:
+            for i, (batch, ctx) in enumerate(cases):
                 try:
-                    line = run_case(model, name, kv, batch, ctx, args.reps, bw)
+                    line = run_case(model, name, kv, batch, ctx, args.reps, bw, args.profile and i == 0)
                 except Exception as e:  # one row lost, not the run
                     line = f"| {name} | {kv} | {batch} | {ctx} | failed: {type(e).__name__}: {str(e)[:200]} |"
                 print(line, flush=True)

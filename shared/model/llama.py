@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvmesh.kernels import gated_silu as gated_silu_kernel
 from kvmesh.kernels.backend import AttentionBackend, AttentionMetadata
 from kvmesh.kernels.cpu_native import NativeKernels
 from kvmesh.kernels.cpu_native import load as load_native
@@ -76,9 +77,24 @@ class Attention(nn.Module):
 
 def _add_linear(residual: torch.Tensor, lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """residual + lin(x); a packed linear adds in its GEMM's epilogue (PackedLinear: the same two
-    ops, so fp32 values are unchanged)."""
+    ops, so fp32 values are unchanged). On a GPU the GEMM adds into the residual in place (beta 1:
+    one kernel where two were; the sum is rounded once). The residual is the layer's own input
+    stream, which nothing reads after this."""
     add_to = getattr(lin, "add_to", None)
-    return residual + lin(x) if add_to is None else add_to(x, residual)
+    if add_to is not None:
+        return add_to(x, residual)
+    if (residual.is_cuda and type(lin) is nn.Linear and lin.bias is None and residual.dim() == 2
+            and residual.is_contiguous() and residual.dtype == x.dtype == lin.weight.dtype):
+        return residual.addmm_(x, lin.weight.t())
+    return residual + lin(x)
+
+
+def _gated_silu(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """gate_up [T, 2I] -> silu(gate) * up [T, I]; one Triton launch on a GPU."""
+    if gate_up.is_cuda and gated_silu_kernel.reads(gate_up):
+        return gated_silu_kernel.gated_silu(gate_up)
+    gate, up = gate_up.split(inter, dim=-1)  # [T, I] each
+    return F.silu(gate).mul_(up)  # in place: one [T, I] buffer less
 
 
 class MLP(nn.Module):
@@ -93,8 +109,7 @@ class MLP(nn.Module):
         silu_mul = getattr(self.gate_up_proj, "silu_mul", None)  # a PackedGateUp (bf16 on the CPU)
         if silu_mul is not None:
             return _add_linear(residual, self.down_proj, silu_mul(x))
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # [T, I] each
-        return _add_linear(residual, self.down_proj, F.silu(gate).mul_(up))  # in place: one [T, I] buffer less
+        return _add_linear(residual, self.down_proj, _gated_silu(self.gate_up_proj(x), self.inter))
 
 
 class DecoderLayer(nn.Module):
