@@ -122,6 +122,17 @@ def timed(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
+def eager_step(model, cache: KVCache, backend, slices: list[SeqSlice], tokens: list[int]):
+    """The step as the runner launches it without graphs: metadata built on the host, then the model
+    and the logits kernel by kernel."""
+    def step():
+        meta = build_attention_metadata(slices, cache.layout, cache.num_residual_slots, "cuda")
+        ids = torch.tensor(tokens, dtype=torch.long, device="cuda")
+        pos = torch.tensor([s.prefix_len for s in slices], dtype=torch.long, device="cuda")
+        return model.compute_logits(model(ids, pos, meta, cache, backend), upcast=False)
+    return step
+
+
 def run_case(model, name: str, kv: str, batch: int, ctx: int, reps: int, bandwidth: float, profile: bool) -> str:
     cfg = model.config
     layout = BlockLayout(num_layers=cfg.num_layers, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
@@ -141,12 +152,7 @@ def run_case(model, name: str, kv: str, batch: int, ctx: int, reps: int, bandwid
     slices = [SeqSlice(ctx - 1, 1, tables[i], i) for i in range(batch)]  # prefix ctx - 1 + the new token
     tokens = [random.Random(i).randrange(cfg.vocab_size) for i in range(batch)]
 
-    def eager():
-        meta = build_attention_metadata(slices, layout, cache.num_residual_slots, "cuda")
-        ids = torch.tensor(tokens, dtype=torch.long, device="cuda")
-        pos = torch.tensor([s.prefix_len for s in slices], dtype=torch.long, device="cuda")
-        return model.compute_logits(model(ids, pos, meta, cache, backend), upcast=False)
-
+    eager = eager_step(model, cache, backend, slices, tokens)
     with torch.inference_mode():
         t_eager = timed(eager, reps)
         torch.cuda.synchronize()
@@ -193,22 +199,34 @@ def main() -> None:
              "torch silu/add ÷ fused | speedup | roofline ms | graphs % of roofline | tokens/s (graphs) | "
              "first step, with its capture, ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    print("\n".join(lines), flush=True)
-    for name in args.shapes.split(","):
-        model = model_of(name)
+
+    def rows_of(model, name):
         cases, dtypes = CASES[name]
         for kv in dtypes:
             for i, (batch, ctx) in enumerate(cases):
-                try:
-                    line = run_case(model, name, kv, batch, ctx, args.reps, bw, args.profile and i == 0)
-                except Exception as e:  # one row lost, not the run
-                    line = f"| {name} | {kv} | {batch} | {ctx} | failed: {type(e).__name__}: {str(e)[:200]} |"
-                print(line, flush=True)
-                lines.append(line)
+                yield (f"{name} | {kv} | {batch} | {ctx}",
+                       lambda: run_case(model, name, kv, batch, ctx, args.reps, bw, args.profile and i == 0))
+    print_rows(lines, args.shapes.split(","), rows_of, args.out)
+
+
+def print_rows(lines: list[str], shapes: list[str], rows_of, out: str | None) -> None:
+    """Prints the table's head (`lines`) and a row per case, shape by shape: rows_of(model, name)
+    yields (the row's first cells, a function making the row); a failed case costs its row, not the
+    run. Writes the table to `out` too."""
+    print("\n".join(lines), flush=True)
+    for name in shapes:
+        model = model_of(name)
+        for label, make_row in rows_of(model, name):
+            try:
+                line = make_row()
+            except Exception as e:
+                line = f"| {label} | failed: {type(e).__name__}: {str(e)[:200]} |"
+            print(line, flush=True)
+            lines.append(line)
         del model
         torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             f.write("\n".join(lines) + "\n")
 
 

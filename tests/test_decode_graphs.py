@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,6 +58,36 @@ def test_decode_batch_write_plan_rows():
     assert meta.residual_slots.tolist() == [3, 4, 4, 4]
     with pytest.raises(ValueError, match="do not fit"):
         batch.fill([1] * 5, [SeqSlice(0, 1, [], 0)] * 5)
+
+
+def test_ragged_steps_take_a_work_list():
+    """A step whose work list gives its longest sequence more splits than the bucket's uniform choice
+    takes the ragged graph, its list filled with the step; uniform steps and small spreads do not."""
+    model = tiny_model("cpu")
+    layout = BlockLayout(num_layers=2, kv_heads=2, head_dim=32, block_size=BS, kv_dtype="fp32")
+    graphs = DecodeGraphs(model, KVCache(layout, 8, 65, torch.float32), TorchBackend(), max_seqs=64,
+                          max_context=8192, scratch_slot=64, capture=False)
+    capacity = 64 + 132 * 8 // 2  # the rows plus a wave of units at 8 programs an SM (132 SMs, 2 KV heads)
+    assert graphs._work_units(64) == capacity
+
+    def step(lens):
+        return [SeqSlice(p, 1, list(range(p // BS + 1)), i) for i, p in enumerate(lens)]
+    assert graphs.ragged_splits(step([4000] * 64), 64, 4096) == 0  # uniform: one count serves them all
+    # one 8K sequence among 1K ones: 8 splits for every sequence at the top of the bucket (uniform at
+    # 8 an SM), or 32 for the long one (the most under 256 tokens a split), 4 for each short one
+    assert graphs.ragged_splits(step([8191] + [1000] * 55), 64, 8192) == 32
+    assert graphs.ragged_splits(step([600, 500]), 2, 1024) == 0  # the uniform graph splits it 4 ways
+    assert graphs.ragged_splits(step([4000] + [1000] * 63), 64, 4096) == 0  # 15 splits: under 2.5 x 8
+    batch = graphs._batch(64)
+    batch.fill([1] * 56, step([8191] + [1000] * 55), 32)
+    work = batch.metadata(8191, work=True).work
+    units = [(e >> 16, (e >> 8) & 255, e & 255) for e in work.work.tolist()]
+    assert work.units == capacity and units[:33] == [(0, s, 32) for s in range(32)] + [(1, 0, 4)]
+    assert units[32 + 55 * 4:32 + 55 * 4 + 8] == [(56 + i, 0, 1) for i in range(8)]  # padding rows: one each
+    assert units[32 + 55 * 4 + 8:] == [(0, 255, 255)] * (capacity - 32 - 55 * 4 - 8)
+    assert batch.metadata(8191).work is None
+    with pytest.raises(ValueError, match="no work list"):
+        graphs._batch(1).metadata(511, work=True)
 
 
 def _prefill(model, cache, backend, prompts, tables):
@@ -153,37 +184,36 @@ def _smollm2_shaped(layers: int = 4):
     return model.half().eval()
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("kv", ["fp16", "fp8_e4m3", "int8", "int4"])
-def test_gpu_graph_replays_equal_eager_steps(kv):
-    """Through the Triton kernels: 12 ragged sequences (batch 16, 4 padding rows), then 5 of them
-    (batch 8), 48 steps across block ends and context buckets (prompts 30-668 tokens): each
+def _replays_against_eager(kv: str, lens: list[int], steps: int, live_after: dict[int, list[int]],
+                           max_seqs: int, max_context: int) -> DecodeGraphs:
+    """Greedy decode of prompts of `lens` tokens (SmolLM2's attention shape, random fp16) through the
+    Triton kernels, `steps` steps (the live sequences change at the steps `live_after` names): each
     replay's logits within 3e-3 (relative L2) of the same step launched eagerly, the same greedy
-    tokens, one graph per (batch, context bucket), the pages and tails alike."""
+    tokens, the pages and tails alike. Returns the graphs."""
     from kvmesh.kernels.triton_backend import TritonBackend
     model = _smollm2_shaped()
     cfg = model.config
     layout = BlockLayout(num_layers=cfg.num_layers, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                          block_size=BS, kv_dtype=kv)
     rng = random.Random(5)
-    lens = [rng.randrange(1, 700) for _ in range(11)] + [470]  # 262, 368, 30, 54 among the first; 470 + 24 + 24 crosses 512
+    lens = list(lens)
     prompts = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in lens]
-    width = 48
-    pages = rng.sample(range(1, 12 * width + 40), 12 * width)
-    tables = [pages[width * i:width * (i + 1)] for i in range(12)]
-    slots = 16
-    eager_cache = KVCache(layout, 12 * width + 40, slots, torch.float16, "cuda")
-    graph_cache = KVCache(layout, 12 * width + 40, slots + 1, torch.float16, "cuda")
+    widths = [-(-(n + steps + 1) // BS) for n in lens]
+    pages = rng.sample(range(1, sum(widths) + 40), sum(widths))
+    ends = np.cumsum(widths)
+    tables = [pages[e - w:e] for e, w in zip(ends, widths)]
+    slots = len(lens)
+    eager_cache = KVCache(layout, sum(widths) + 40, slots, torch.float16, "cuda")
+    graph_cache = KVCache(layout, sum(widths) + 40, slots + 1, torch.float16, "cuda")
     eager, fixed = TritonBackend(), TritonBackend()
-    graphs = DecodeGraphs(model, graph_cache, fixed, max_seqs=16, max_context=2048, scratch_slot=slots)
+    graphs = DecodeGraphs(model, graph_cache, fixed, max_seqs=max_seqs, max_context=max_context, scratch_slot=slots)
     with torch.inference_mode():
         a = _prefill(model, eager_cache, eager, prompts, tables)
-        b = _prefill(model, graph_cache, fixed, prompts, tables)
+        _prefill(model, graph_cache, fixed, prompts, tables)
         tokens = a.argmax(-1).tolist()
-        live = list(range(12))
-        for step in range(48):
-            if step == 24:  # the short ones: the 512 bucket, then 1,024 once the last passes 511 tokens
-                live = [1, 2, 5, 9, 11]
+        live = list(range(len(lens)))
+        for step in range(steps):
+            live = live_after.get(step, live)
             slices = [SeqSlice(lens[i], 1, tables[i], i) for i in live]
             step_tokens = [tokens[i] for i in live]
             meta = build_attention_metadata(slices, layout, slots, "cuda")
@@ -196,17 +226,41 @@ def test_gpu_graph_replays_equal_eager_steps(kv):
             for j, i in enumerate(live):
                 tokens[i] = int(want[j].argmax())
                 lens[i] += 1
-    assert graphs.failed is None and graphs.replays == 48
-    assert graphs.captured == [(8, 512), (8, 1024), (16, 1024)], graphs.captured
-    for i in range(12):
+    assert graphs.failed is None and graphs.replays == steps
+    for i in range(len(lens)):
         n = lens[i] % BS
         torch.testing.assert_close(graph_cache.residual[i][..., :n, :], eager_cache.residual[i][..., :n, :],
                                    rtol=2e-2, atol=2e-2)
-    used = torch.tensor(sorted({p for t in tables for p in t[:(max(lens) // BS)]}), device="cuda")
+    used = torch.tensor(sorted({p for t, n in zip(tables, lens) for p in t[:n // BS]}), device="cuda")
     for layer in range(cfg.num_layers):
         for g, w in zip(dequantize_layer(graph_cache.layer_view(layer), used, kv),
                         dequantize_layer(eager_cache.layer_view(layer), used, kv)):
             assert (g - w).norm() <= 2e-2 * w.norm()
+    return graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["fp16", "fp8_e4m3", "int8", "int4"])
+def test_gpu_graph_replays_equal_eager_steps(kv):
+    """12 ragged sequences (batch 16, 4 padding rows), then 5 of them (batch 8), 48 steps across block
+    ends and context buckets (prompts 30-668 tokens): one uniform graph per (batch, context bucket)."""
+    rng = random.Random(5)
+    lens = [rng.randrange(1, 700) for _ in range(11)] + [470]  # 470 + 24 + 24 crosses 512
+    # step 24: the short ones, the 512 bucket, then 1,024 once the last passes 511 tokens
+    graphs = _replays_against_eager(kv, lens, 48, {24: [1, 2, 5, 9, 11]}, max_seqs=16, max_context=2048)
+    assert graphs.captured == [(8, 512, False), (8, 1024, False), (16, 1024, False)], graphs.captured
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["fp16", "fp8_e4m3", "int8", "int4"])
+def test_gpu_ragged_graph_replays_equal_eager_steps(kv):
+    """One 3,990-token sequence among 63 short ones (batch 64, bucket 4,096): the ragged graph, its
+    work list splitting the long one 15 ways where the uniform choice gives every sequence 5; then
+    the short ones alone (a uniform bucket-512 graph)."""
+    rng = random.Random(9)
+    lens = [3990] + [rng.randrange(20, 100) for _ in range(63)]
+    graphs = _replays_against_eager(kv, lens, 16, {8: list(range(1, 64))}, max_seqs=64, max_context=4096)
+    assert graphs.captured == [(64, 512, False), (64, 4096, True)], graphs.captured
 
 
 @pytest.mark.gpu
@@ -227,7 +281,7 @@ def test_gpu_engine_graphs_equal_enforce_eager(kv, tmp_path):
         assert (graphs is None) == eager
         if not eager:  # every size captured at start at 512, and nothing longer was needed
             assert graphs.failed is None and graphs.replays > 20, graphs.failed
-            assert graphs.captured == [(n, 512) for n in (1, 2, 4, 8)], graphs.captured
+            assert graphs.captured == [(n, 512, False) for n in (1, 2, 4, 8)], graphs.captured
         del eng
         torch.cuda.empty_cache()
     assert runs[False] == runs[True]

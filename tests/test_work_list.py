@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,7 +17,7 @@ from kvmesh.kernels.decode_int4_direct import decode_int4_direct
 from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata
 from kvmesh.kernels.splits import num_splits, slot_cost, waves
 from kvmesh.kernels.torch_ref import TorchBackend
-from kvmesh.kernels.work_list import BatchContexts
+from kvmesh.kernels.work_list import SPARE_UNIT, BatchContexts, WorkPlan, fill_fixed, fixed_splits
 from kvmesh.kv.layout import BlockLayout
 from test_kernels_attention import TOL, make_case, rel_l2
 
@@ -37,6 +38,30 @@ def test_plan_splits_each_sequence_in_proportion():
     assert ctx.plan(4, torch.device("cpu")) is plan  # once per step, reused by every layer
     big = BatchContexts.of([70000] + [1] * 7)
     assert big.splits_of(128).tolist() == [128] + [1] * 7 and max(u[2] for u in unpack(big.plan(128, "cpu").work)) == 128
+
+
+def test_fixed_capacity_work_list():
+    """A CUDA graph's list: the units of the plan at the splits that fit, then spare units to the end."""
+    ctx = np.array([401, 18, 1, 100, 201], dtype=np.int64)
+    assert fixed_splits(ctx, 10, 1) == 4  # 4 splits: 10 units (5 splits: 5 + 1 + 1 + 2 + 3 = 12)
+    assert fixed_splits(ctx, 10, 128) == 3  # no split of the longest under 128 tokens
+    assert fixed_splits(ctx, 4, 1) == 1  # nothing fits: one unit each (the caller keeps the uniform graph)
+    work, seq_units = np.zeros(13, dtype=np.int32), np.zeros(5, dtype=np.int32)
+    assert fill_fixed(ctx, 4, work, seq_units) == 10
+    plan = BatchContexts.of(ctx.tolist()).plan(4, torch.device("cpu"))
+    assert work[:10].tolist() == plan.work.tolist() and seq_units.tolist() == plan.seq_units.tolist()
+    assert work[10:].tolist() == [SPARE_UNIT] * 3 and unpack(torch.tensor([SPARE_UNIT])) == [(0, 255, 255)]
+    with pytest.raises(ValueError, match="do not fit"):
+        fill_fixed(ctx, 6, work, seq_units)
+
+
+def _fixed_plan(meta, capacity: int, min_tokens: int = 32) -> WorkPlan:
+    """The step's fixed-capacity work list, as a graph's batch fills it."""
+    ctx = (meta.prefix_lens.cpu().numpy().astype(np.int64) + 1)
+    work, seq_units = np.zeros(capacity, dtype=np.int32), np.zeros(ctx.shape[0], dtype=np.int32)
+    fill_fixed(ctx, fixed_splits(ctx, capacity, min_tokens), work, seq_units)
+    dev = meta.prefix_lens.device
+    return WorkPlan(0, torch.from_numpy(work).to(dev), torch.from_numpy(seq_units).to(dev))
 
 
 def test_uniform_batches_and_chunks_keep_one_count():
@@ -120,6 +145,25 @@ def test_work_list_decode_matches_torch(kv, direct, splits):
     assert rel_l2(out, one) <= TOL[kv]
 
 
+@pytest.mark.parametrize("kv,direct", DECODE_KERNELS)
+def test_fixed_work_list_decode_matches_torch(kv, direct):
+    """The kernels over a graph's fixed list (spare units past the step's, split counts they did not
+    choose): the torch reference's output; the spare units change nothing."""
+    lens = [200, 17, 0, 64, 33, 15]
+    cache, meta, q, k, v = make_case(kv, 4, 64, 16, lens, [1] * len(lens), seed=3 + len(kv))
+    fixed = dataclasses.replace(meta, contexts=None, work=_fixed_plan(meta, 24))
+    assert (fixed.work.work == SPARE_UNIT).sum() >= 4 and unpack(fixed.work.work)[0][2] > 2
+    scale = 64 ** -0.5
+    ref = TorchBackend().attend(cache, 1, q, k, v, meta, scale)
+    out = decode_attention(cache, 1, q, k, v, fixed, scale, direct=direct)
+    assert rel_l2(out, ref) <= TOL[kv]
+    work = fixed.work.work.clone()
+    work[work >> 16 == 3] = SPARE_UNIT  # sequence 3's units gone: the launch read the list, so its rows go wrong
+    broken = dataclasses.replace(fixed, work=dataclasses.replace(fixed.work, work=work))
+    out = decode_attention(cache, 1, q, k, v, broken, scale, direct=direct)
+    assert rel_l2(out[[0, 1, 2, 4, 5]], ref[[0, 1, 2, 4, 5]]) <= TOL[kv] and not rel_l2(out[3], ref[3]) <= TOL[kv]
+
+
 # ----------------------------------------------------------------------------- GPU (H200)
 
 @pytest.mark.gpu
@@ -149,3 +193,14 @@ def test_gpu_work_list_decode(kv, gqa, head_dim, bs):
                 assert err <= TOL[kv], f"{kv} G={gqa} D={head_dim} splits={splits}: {err:.2e}"
                 if splits is None or splits <= 7:
                     assert rel_l2(attend(one_count), ref) <= TOL[kv]
+        # a CUDA graph's fixed list, spare units to the end, whatever split count the launcher picks
+        fixed = dataclasses.replace(meta, contexts=None, work=_fixed_plan(meta, 400, 256))
+        kernels = [lambda m: decode_attention(cache, 1, q, k, v, m, scale)]
+        if kv in ("fp8_e4m3", "fp8_e5m2", "int8"):
+            kernels += [lambda m: decode_direct(cache, 1, q, k, v, m, scale, splits=s, fused=True) for s in (1, 3)]
+        if kv == "int4":
+            kernels += [lambda m: decode_int4_direct(cache, 1, q, k, v, m, scale, splits=s, fused=True)
+                        for s in (1, 3)]
+        for attend in kernels:
+            err = rel_l2(attend(fixed), ref)
+            assert err <= TOL[kv], f"{kv} G={gqa} D={head_dim} fixed work list: {err:.2e}"

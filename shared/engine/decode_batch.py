@@ -9,6 +9,10 @@ The write plan has one entry per row (not one per completed block, as `metadata.
 makes it): row i completes its block when its new token is the block's last, and its new K/V row is
 copied to its residual slot either way (where the block completed, that copy sits past the tail the
 next step reads, so it is never used).
+
+A batch may carry a work list of fixed capacity for the decode kernels (`work_units`; filled only
+for the graphs of ragged steps, `kernels/work_list.fill_fixed`): each sequence split in proportion
+to its context, padding rows one unit each, spare units to the end.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import torch
 
 from kvmesh.kernels.backend import AttentionMetadata, WritePlan
 from kvmesh.kernels.metadata import SeqSlice
+from kvmesh.kernels.work_list import WorkPlan, fill_fixed
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,8 @@ class DecodeShape:
     """Residual slots in the cache (the write plan's rows of S start after them)."""
     scratch_slot: int
     """The residual slot the padding rows write into (owned by no sequence)."""
+    work_units: int = 0
+    """Capacity of the decode kernels' work list (0: none)."""
 
 
 class DecodeBatch:
@@ -41,11 +48,12 @@ class DecodeBatch:
 
     def __init__(self, shape: DecodeShape, device: torch.device) -> None:
         self.shape = shape
-        n, w, bs = shape.rows, shape.table_width, shape.block_size
+        n, w, bs, u = shape.rows, shape.table_width, shape.block_size, shape.work_units
         # int64: ids | positions | block ids | residual src | residual dst | block rows [n, bs]
         self._host64 = torch.zeros(5 * n + n * bs, dtype=torch.int64)
-        # int32: prefix lens | residual slots | block tables [n, w]
-        self._host32 = torch.zeros(2 * n + n * w, dtype=torch.int32)
+        # int32: prefix lens | residual slots | seq units [n] | work [u] | block tables [n, w]
+        self._head32 = 3 * n + u  # the part before the tables
+        self._host32 = torch.zeros(self._head32 + n * w, dtype=torch.int32)
         if device.type == "cuda":  # one copy each a step, not waiting on a pageable staging copy
             self._host64, self._host32 = self._host64.pin_memory(), self._host32.pin_memory()
         self._dev64 = torch.zeros_like(self._host64, device=device)
@@ -56,10 +64,12 @@ class DecodeBatch:
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self.fill([], [])
 
-    def fill(self, tokens: list[int], seqs: list[SeqSlice]) -> None:
+    def fill(self, tokens: list[int], seqs: list[SeqSlice], work_splits: int = 0) -> None:
         """Stages one decode step (tokens[i]: sequence i's new token) and copies it to the device
-        buffers, in stream order: the kernels queued before it have read the previous step's."""
-        n, w, bs = self.shape.rows, self.shape.table_width, self.shape.block_size
+        buffers, in stream order: the kernels queued before it have read the previous step's.
+        `work_splits` > 0: the work list too, at that many splits of the longest context (the caller
+        chose them to fit, `work_list.fixed_splits`)."""
+        n, w, bs, u = self.shape.rows, self.shape.table_width, self.shape.block_size, self.shape.work_units
         b = len(seqs)
         if b > n:
             raise ValueError(f"{b} sequences do not fit a decode batch of {n}")
@@ -68,8 +78,8 @@ class DecodeBatch:
         h64, h32 = self._host64.numpy(), self._host32.numpy()
         ids, pos, block_ids, res_src, res_dst = (h64[i * n:(i + 1) * n] for i in range(5))
         block_rows = h64[5 * n:].reshape(n, bs)
-        prefix, slots = h32[:n], h32[n:2 * n]
-        tables = h32[2 * n:].reshape(n, w)
+        prefix, slots, seq_units, work = h32[:n], h32[n:2 * n], h32[2 * n:3 * n], h32[3 * n:self._head32]
+        tables = h32[self._head32:].reshape(n, w)
         new_base = self.shape.num_slots * bs  # the step's new rows follow the residual rows in S
         p = np.array([s.prefix_len for s in seqs] + [0] * (n - b), dtype=np.int64)  # [n]
         r = np.array([s.residual_slot for s in seqs] + [self.shape.scratch_slot] * (n - b), dtype=np.int64)
@@ -90,19 +100,26 @@ class DecodeBatch:
             tables[i, :len(pages)] = pages
             if completes[i]:
                 block_ids[i] = s.block_table[p[i] // bs]
+        if work_splits:
+            fill_fixed(p + 1, work_splits, work, seq_units)
         rows = max(b, 1)  # table rows past the batch are never read (their prefix is 0)
+        end = self._head32 + rows * w
         self._dev64.copy_(self._host64, non_blocking=True)
-        self._dev32[:2 * n + rows * w].copy_(self._host32[:2 * n + rows * w], non_blocking=True)
+        self._dev32[:end].copy_(self._host32[:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
 
-    def metadata(self, max_prefix_len: int) -> AttentionMetadata:
+    def metadata(self, max_prefix_len: int, work: bool = False) -> AttentionMetadata:
         """The step's metadata over the device buffers; `max_prefix_len` is what the kernels' split
-        choice sees (a graph's: the longest prefix it serves, at least the batch's real one)."""
+        choice sees (a graph's: the longest prefix it serves, at least the batch's real one); `work`:
+        the decode kernels run over the work list."""
         n, w, bs = self.shape.rows, self.shape.table_width, self.shape.block_size
         d64, d32 = self._dev64, self._dev32
         write = WritePlan(block_rows=d64[5 * n:].view(n, bs), block_ids=d64[2 * n:3 * n],
                           residual_src=d64[3 * n:4 * n], residual_dst=d64[4 * n:5 * n])
+        if work and not self.shape.work_units:
+            raise ValueError("this decode batch has no work list")
+        plan = WorkPlan(0, d32[3 * n:self._head32], d32[2 * n:3 * n]) if work else None
         return AttentionMetadata(query_start_loc=self.query_start, prefix_lens=d32[:n],
-                                 block_tables=d32[2 * n:].view(n, w), residual_slots=d32[n:2 * n],
-                                 max_query_len=1, max_prefix_len=max_prefix_len, write=write)
+                                 block_tables=d32[self._head32:].view(n, w), residual_slots=d32[n:2 * n],
+                                 max_query_len=1, max_prefix_len=max_prefix_len, write=write, work=plan)

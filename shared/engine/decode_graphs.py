@@ -14,24 +14,39 @@ starts (`warm_up`), the longer buckets the first time a step needs them:
   so a shorter batch runs correctly with the bucket's splits;
 - graphs share one memory pool (their replays never overlap; each leaves its logits in one
   shared buffer, copied out before the next replay).
+- a ragged step (contexts that differ, so that one split count for all would leave the longest
+  sequence's programs streaming alone) replays a second graph of its (batch size, bucket), whose
+  decode kernels run over a work list of fixed capacity (`kernels/work_list.py`, `fill_fixed`):
+  each sequence split in proportion to its context, filled on the host before each replay, spare
+  units to the end. It is captured the first time a step needs it; a step takes it where its work
+  list gives the longest sequence more splits than the bucket's uniform choice (`ragged_splits`).
 Steps the graphs do not serve run eagerly: prompt chunks and mixed steps, contexts past the limit,
-batches larger than `--max-num-seqs`, `--enforce-eager`. A ragged batch inside a graph takes one
-split count for every sequence (the eager path's work list, `kernels/work_list.py`, needs a grid
-sized by its units).
+batches larger than `--max-num-seqs`, `--enforce-eager`.
 """
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from kvmesh.engine.decode_batch import DecodeBatch, DecodeShape
 from kvmesh.kernels.metadata import SeqSlice
+from kvmesh.kernels.splits import MIN_TOKENS_PER_SPLIT, num_sms, num_splits
+from kvmesh.kernels.work_list import fixed_splits
 from kvmesh.kv.pool import KVCache
 
 log = logging.getLogger(__name__)
 
 MIN_CONTEXT_BUCKET = 512  # below this the split choice barely moves; fewer graphs
+# a ragged graph's work list holds the batch's rows plus a wave of units at this many programs an SM
+# (the decode kernels keep 4-16 resident): room to split the long sequences of a step
+WORK_RESIDENT = 8
+# a step takes the ragged graph where its work list splits the longest sequence this many times as
+# often as the uniform graph would, or more (H200, benchmarks/ragged_step.py: at 2x, even spreads of
+# contexts, 0.97-1.07x the uniform graph's time: its second launch and partials cost about what the
+# splits save; at 2.9-8x, one or four 8K sequences among 512-1K ones, 1.09-1.42x faster)
+RAGGED_GAIN = 2.5
 
 
 def batch_sizes(max_seqs: int) -> tuple[int, ...]:
@@ -58,7 +73,7 @@ class DecodeGraphs:
         self.capture = capture
         self._scratch_slot = scratch_slot
         self._batches: dict[int, DecodeBatch] = {}
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self._logits: torch.Tensor | None = None  # [max size, vocab]: the graphs' output rows
         self._pool = None
         self.failed: str | None = None
@@ -66,8 +81,8 @@ class DecodeGraphs:
         self.replays = 0
 
     @property
-    def captured(self) -> list[tuple[int, int]]:
-        """(batch size, context bucket) of every graph held."""
+    def captured(self) -> list[tuple[int, int, bool]]:
+        """(batch size, context bucket, ragged) of every graph held."""
         return sorted(self._graphs)
 
     def warm_up(self) -> None:
@@ -77,8 +92,8 @@ class DecodeGraphs:
             return
         ctx = context_bucket(1, self.max_context)
         for n in self.sizes:
-            if self.failed is None and (n, ctx) not in self._graphs:
-                self._capture(self._batch(n), n, ctx)
+            if self.failed is None and (n, ctx, False) not in self._graphs:
+                self._capture(self._batch(n), n, ctx, 0)
 
     def takes(self, seqs: list[SeqSlice], sample_rows: list[int], prompt_rows: list) -> bool:
         """Whether the step is a decode step a graph serves: every sequence one new token, sampled,
@@ -93,39 +108,59 @@ class DecodeGraphs:
         n = next(size for size in self.sizes if size >= b)
         ctx = context_bucket(max(s.prefix_len for s in seqs) + 1, self.max_context)
         batch = self._batch(n)
+        work = self.ragged_splits(seqs, n, ctx)
         if not self.capture:
-            batch.fill(tokens, seqs)
-            return self._forward(batch, ctx)[:b]
-        if (n, ctx) not in self._graphs and not self._capture(batch, n, ctx):
+            batch.fill(tokens, seqs, work)
+            return self._forward(batch, ctx, work > 0)[:b]
+        key = (n, ctx, work > 0)
+        if key not in self._graphs and not self._capture(batch, n, ctx, work):
             return None
-        batch.fill(tokens, seqs)
-        self._graphs[(n, ctx)].replay()
+        batch.fill(tokens, seqs, work)
+        self._graphs[key].replay()
         self.replays += 1
         return self._logits[:b].clone()  # the next replay of any graph overwrites the buffer
+
+    def ragged_splits(self, seqs: list[SeqSlice], n: int, ctx: int) -> int:
+        """Splits of the longest sequence in the work list of a ragged graph, where that gives it
+        RAGGED_GAIN times the bucket's uniform choice or more (`splits.num_splits` at the top of the
+        bucket, WORK_RESIDENT programs an SM); else 0 (the uniform graph)."""
+        contexts = [s.prefix_len + 1 for s in seqs]
+        if min(contexts) == max(contexts):
+            return 0
+        padded = np.array(contexts + [1] * (n - len(seqs)), dtype=np.int64)  # padding rows: the new token
+        s = fixed_splits(padded, self._work_units(n), MIN_TOKENS_PER_SPLIT)
+        uniform = num_splits(n, self.cache.layout.kv_heads, ctx, num_sms(self.cache.device), WORK_RESIDENT)
+        return s if s >= RAGGED_GAIN * uniform else 0
+
+    def _work_units(self, n: int) -> int:
+        return n + -(-num_sms(self.cache.device) * WORK_RESIDENT // self.cache.layout.kv_heads)
 
     def _batch(self, n: int) -> DecodeBatch:
         if n not in self._batches:
             L = self.cache.layout
             width = -(-self.max_context // L.block_size) + 1
             shape = DecodeShape(rows=n, table_width=width, block_size=L.block_size,
-                                num_slots=self.cache.num_residual_slots, scratch_slot=self._scratch_slot)
+                                num_slots=self.cache.num_residual_slots, scratch_slot=self._scratch_slot,
+                                work_units=self._work_units(n) if n > 1 else 0)
             self._batches[n] = DecodeBatch(shape, self.cache.device)
         return self._batches[n]
 
-    def _forward(self, batch: DecodeBatch, ctx: int) -> torch.Tensor:
-        """Logits [n, vocab] of the batch's buffers; the kernels split for contexts up to `ctx`."""
-        meta = batch.metadata(max_prefix_len=ctx - 1)
+    def _forward(self, batch: DecodeBatch, ctx: int, work: bool) -> torch.Tensor:
+        """Logits [n, vocab] of the batch's buffers; the kernels split for contexts up to `ctx`, or
+        run over the batch's work list (`work`)."""
+        meta = batch.metadata(max_prefix_len=ctx - 1, work=work)
         hidden = self.model(batch.input_ids, batch.positions, meta, self.cache, self.backend)  # [n, hidden]
         return self.model.compute_logits(hidden, upcast=False)
 
-    def _capture(self, batch: DecodeBatch, n: int, ctx: int) -> bool:
-        batch.fill([], [])  # padding only: warm-up and capture touch nothing but the scratch slot
+    def _capture(self, batch: DecodeBatch, n: int, ctx: int, work: int) -> bool:
+        """Captures the graph of (n, ctx, work > 0); `work`: a ragged step's splits for its work list."""
+        batch.fill([], [], work and 1)  # padding only: warm-up and capture touch nothing but the scratch slot
         try:
             side = torch.cuda.Stream(self.cache.device)
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # compiles the kernels, fills the launchers' caches
                 for _ in range(2):
-                    logits = self._forward(batch, ctx)
+                    logits = self._forward(batch, ctx, work > 0)
             torch.cuda.current_stream().wait_stream(side)
             if self._logits is None:
                 self._logits = torch.empty(self.sizes[-1], logits.shape[1], dtype=logits.dtype,
@@ -134,12 +169,12 @@ class DecodeGraphs:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                self._logits[:n].copy_(self._forward(batch, ctx))
+                self._logits[:n].copy_(self._forward(batch, ctx, work > 0))
         except Exception as e:  # a kernel that syncs or allocates on the host: eager from here on
             self.failed = f"{type(e).__name__}: {e}"
             log.warning("capturing a decode step (batch %d, context %d) failed; decode steps run eagerly: %s",
                         n, ctx, self.failed)
             return False
-        self._graphs[(n, ctx)] = graph
-        log.info("captured a decode step: batch %d, contexts up to %d", n, ctx)
+        self._graphs[(n, ctx, work > 0)] = graph
+        log.info("captured a decode step: batch %d, contexts up to %d%s", n, ctx, ", ragged" if work else "")
         return True

@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from kvmesh.kernels.work_list import BatchContexts
+from kvmesh.kernels.work_list import BatchContexts, WorkPlan
 from kvmesh.kv.pool import KVCache
 
 
@@ -82,6 +82,10 @@ class AttentionMetadata:
     contexts: BatchContexts | None = None
     """A ragged decode step's contexts on the host, for its work list (`work_list.py`); None where
     every sequence is as long as the longest, or unknown (one split count for all)."""
+    work: WorkPlan | None = None
+    """A CUDA graph's work list of fixed capacity, filled on the host before each replay
+    (`work_list.fill_fixed`): every decode launch runs over it (partials, second-launch reduction),
+    whatever split count it would choose; None: the launch plans its own."""
 
     @property
     def num_seqs(self) -> int:

@@ -362,4 +362,4 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
         if tiles.one_wave and own_tile and llama_shape and maxnreg is None:  # (a cap the caller set stays)
             args, splits = one_wave_launch(args, splits, tiles.one_wave, B, L.kv_heads, meta.max_prefix_len + 1,
                                            sms, resident_in, contexts)
-    return launch_split(decode_kernel, out, L.kv_heads, splits, args, meta.contexts)
+    return launch_split(decode_kernel, out, L.kv_heads, splits, args, meta.contexts, meta.work)

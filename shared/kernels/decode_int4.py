@@ -277,4 +277,4 @@ def decode_int4(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v:
         resident = programs_per_sm or resident_of("int4", decode_int4_kernel, args, q.device)
         splits = num_splits(B, L.kv_heads, meta.max_prefix_len + 1, num_sms(q.device), resident,
                             pages * L.block_size, meta.contexts)
-    return launch_split(decode_int4_kernel, out, L.kv_heads, splits, args, meta.contexts)
+    return launch_split(decode_int4_kernel, out, L.kv_heads, splits, args, meta.contexts, meta.work)

@@ -209,4 +209,4 @@ def launch_direct(kernel, tag: str, cache, layer: int, q: torch.Tensor, k: torch
     if fused is None and args["FUSED"]:
         args["FUSED"] = splits <= FUSED_MAX_SPLITS
     args["RMAX"] = max(FUSED_MAX_SPLITS, 1 << (splits - 1).bit_length())  # a power of two >= splits
-    return launch_split(kernel, out, L.kv_heads, splits, args, contexts)
+    return launch_split(kernel, out, L.kv_heads, splits, args, contexts, meta.work)

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from kvmesh.kernels.work_list import MAX_WORK_SPLITS, BatchContexts
+from kvmesh.kernels.work_list import MAX_WORK_SPLITS, BatchContexts, WorkPlan
 
 NUM_SMS_DEFAULT = 132  # H200; the real count is read from the device when there is one
 RESIDENT_DEFAULT = 4  # programs per SM assumed where the compiled kernel cannot be inspected
@@ -148,16 +148,22 @@ COUNTERS = SplitCounters()
 
 
 def launch_split(kernel, out: torch.Tensor, kv_heads: int, splits: int, args: dict,
-                 contexts: BatchContexts | None = None) -> torch.Tensor:
+                 contexts: BatchContexts | None = None, fixed: WorkPlan | None = None) -> torch.Tensor:
     """Runs a decode kernel over (B, KV heads, splits) programs into out [B, H, D] (grid (KV heads, B,
     splits) where args HEADS_FIRST: the kernel reads its program ids that way); with more than one
     split each program writes a normalized partial and its log2-sum-exp, and `reduce_splits_kernel`
     combines them, unless the kernel's last split does (args FUSED). A ragged batch (`contexts`)
-    whose work list pays runs one program per (unit, KV head) instead (`work_list.py`, WORK)."""
+    whose work list pays runs one program per (unit, KV head) instead (`work_list.py`, WORK); so
+    does a CUDA graph's fixed work list (`fixed`), always with partials and the second launch (its
+    sequences' split counts change between replays)."""
     from kvmesh.kernels.partials import reduce_splits_kernel
 
     B, H, D = out.shape
     plan = contexts.plan(splits, out.device) if contexts is not None and contexts.pays(splits) else None
+    if fixed is not None:
+        plan, splits = fixed, max(splits, 2)  # (splits > 1: partials and the reduction)
+        if "FUSED" in args:
+            args = dict(args, FUSED=False)
     rows = (B, H, splits) if plan is None else (plan.units, H)  # partials of [B, H, splits] or [U, H]
     if splits > 1:
         part_out = torch.empty(*rows, D, dtype=torch.float32, device=out.device)

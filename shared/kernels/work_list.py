@@ -13,15 +13,23 @@ program per (unit, KV head) from a flat list of units, (sequence, split, n_b) pa
 
 Partials are rows of [U, H] (unit u's split of its sequence, query head h), not [B, H, splits]:
 their count is the work's, not B x the longest's splits.
+
+A CUDA graph's launches keep their grids, so a graph's work list has a fixed capacity (`fill_fixed`):
+the step's units first, then spare units (SPARE_UNIT) that read nothing and write only their own
+partial rows, which no sequence's reduction reads.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 MAX_WORK_SPLITS = 128  # splits of the longest sequence (n_b < 256 fits the packing)
 MAX_WORK_SEQS = 1 << 15  # b << 16 stays a positive int32
+# sequence 0, split 255 of 255: its share of the pages starts past them all (255 ceil(n / 255) >= n)
+# and it is not the last split, so it takes no tail: it loads its q and writes its partial row, nothing else
+SPARE_UNIT = 255 << 8 | 255
 
 
 @dataclass(frozen=True)
@@ -29,7 +37,8 @@ class WorkPlan:
     """One split count's work list on one device."""
 
     splits: int
-    """Splits of the longest sequence (the stride the kernels are launched with)."""
+    """Splits of the longest sequence (the stride the kernels are launched with; 0 in a CUDA
+    graph's fixed list, whose counts change between replays)."""
     work: torch.Tensor
     """int32 [U]: b << 16 | split << 8 | n_b."""
     seq_units: torch.Tensor
@@ -92,6 +101,37 @@ class BatchContexts:
     def pays(self, splits: int) -> bool:
         """Whether the work list has fewer units than every sequence at `splits` would."""
         return splits > 1 and self.units(splits) < self.batch * splits
+
+
+def fixed_splits(contexts: np.ndarray, capacity: int, min_tokens: int) -> int:
+    """Splits of the longest of `contexts` (int64 [B]) for a work list of at most `capacity` units:
+    the most that fit, each split of the longest at least `min_tokens` tokens (1 where none fit)."""
+    longest = int(contexts.max())
+    best = 1
+    for s in range(2, min(MAX_WORK_SPLITS, longest // max(1, min_tokens)) + 1):
+        if int(np.maximum((contexts * s + longest - 1) // longest, 1).sum()) > capacity:
+            break
+        best = s
+    return best
+
+
+def fill_fixed(contexts: np.ndarray, splits: int, work: np.ndarray, seq_units: np.ndarray) -> int:
+    """Writes the work list of `contexts` (int64 [B]) at `splits` for the longest into the fixed
+    buffers work int32 [capacity] (then SPARE_UNIT to the end) and seq_units int32 [B]; returns the
+    units used. The caller chose `splits` so that they fit (`fixed_splits`)."""
+    longest = int(contexts.max())
+    n = np.maximum((contexts * splits + longest - 1) // longest, 1)  # [B] each sequence's splits
+    ends = np.cumsum(n)
+    used = int(ends[-1])
+    if used > work.shape[0]:
+        raise ValueError(f"{used} units do not fit a work list of {work.shape[0]}")
+    first = ends - n
+    seq = np.repeat(np.arange(contexts.shape[0], dtype=np.int64), n)  # [used] each unit's sequence
+    split = np.arange(used, dtype=np.int64) - first[seq]
+    work[:used] = (seq << 16) | (split << 8) | n[seq]
+    work[used:] = SPARE_UNIT
+    seq_units[:] = (first << 8) | n
+    return used
 
 
 def _to(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
