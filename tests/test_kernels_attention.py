@@ -102,6 +102,23 @@ def test_decode_splits_match_torch(kv, splits):
     check(kv, 4, 64, 16, [5, 16, 4 * 16 + 1], [1, 1, 1], attend=attend)
 
 
+@pytest.mark.parametrize("kv", ["fp16", "int8"])
+def test_decode_fused_reduction_matches_second_launch(kv, monkeypatch):
+    """The plain kernel's last split combining its sequence's partials (FUSED, up to 4 splits; no
+    second launch) against the second launch: the torch reference's output both ways, and every
+    counter back at zero."""
+    from kvmesh.kernels import partials
+    from kvmesh.kernels.splits import COUNTERS
+    second_launch = partials.reduce_splits_kernel
+    lens = [5, 16, 4 * 16 + 1, 0]
+    for splits in (2, 4):
+        for fused in (True, False):
+            monkeypatch.setattr(partials, "reduce_splits_kernel", None if fused else second_launch)
+            check(kv, 4, 64, 16, lens, [1] * len(lens), attend=lambda *a: decode_attention(
+                *a, splits=splits, block_n=16, direct=False, fused=fused))
+    assert COUNTERS.get(torch.device("cpu"), 8).abs().sum() == 0
+
+
 @pytest.mark.parametrize("kv", ["fp32", "fp16", "bf16", "fp8_e5m2", "int8"])
 def test_decode_tail_early_matches_torch(kv):
     # the tail's slot id and new K/V row loaded at the program's start; int8 with its word decode
@@ -286,9 +303,10 @@ def test_gpu_decode_lo_rows(gqa, head_dim):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["fp32", "fp16", "bf16", "fp8_e5m2"])
 def test_gpu_plain_decode_tail_early(kv):
-    # the plain kernel with the tail's loads at its start, with and without splits
+    # the plain kernel with the tail's loads at its start, with and without splits (2 and 3: the
+    # last split combines the partials; 7: the second launch)
     lens = [0, 17, 1000, 3000, 64, 2049, 511, 129]
-    for splits in (None, 7):
+    for splits in (None, 2, 3, 7):
         check(kv, 4, 128, 16, lens, [1] * len(lens), kv_heads=8, device="cuda",
               attend=lambda *a: decode_attention(*a, splits=splits, direct=False, tail_early=True))
 

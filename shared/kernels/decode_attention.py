@@ -10,7 +10,9 @@ One program per (sequence, KV head, split) serves the G query heads of that KV h
 rows, or G rows that Triton pads inside the dot), so every page is read once. Its split of the sequence's full pages is read
 BLOCK_N tokens at a time through the block table and dequantized in registers (`_load_page_tile`);
 the last split also takes the residual tail and the new token. With more than one split each
-program writes a normalized partial + log2-sum-exp and `reduce_splits_kernel` combines them.
+program writes a normalized partial + log2-sum-exp; up to FUSED_MAX_SPLITS splits the last of a
+(sequence, KV head)'s programs to finish combines them (a counter in `splits.COUNTERS`), past it
+`reduce_splits_kernel` does, in a second launch.
 
 Decode is memory-bound, so what matters is bytes in flight and whole waves:
 - K tiles are loaded without a mask (tokens past the split read pages of the table's first entry or
@@ -40,11 +42,12 @@ from kvmesh.kernels.decode_int4 import decode_int4
 from kvmesh.kernels.backend import AttentionMetadata
 from kvmesh.kernels.formats import FMT_CODES, FMT_INT4
 from kvmesh.kernels.decode_tiles import TILES, lo_rows_launch, one_wave_launch, plain_constexprs
-from kvmesh.kernels.splits import launch_split, num_sms, num_splits, resident_of
+from kvmesh.kernels.split_partials import FUSED_MAX_SPLITS
+from kvmesh.kernels.splits import COUNTERS, launch_split, num_sms, num_splits, resident_of
 from kvmesh.kernels.splits import resident_programs  # noqa: F401 (re-exported for callers)
 from kvmesh.kernels.paged_attention import (LOG2E, _cast_out, _check, _dot, _dot_dtype, _load_page_tile,
                                             _softmax_step, _unit)
-from kvmesh.kernels.partials import partial_rows, work_unit
+from kvmesh.kernels.partials import combine_own_splits, partial_rows, work_unit
 from kvmesh.kv.pool import KVCache
 
 
@@ -53,9 +56,10 @@ def decode_kernel(
     q_ptr,  # [B, H, D] new queries
     k_ptr,  # [B, KVH, D] new keys (full precision)
     v_ptr,  # [B, KVH, D] new values
-    out_ptr,  # [B, H, D] output (PARTIAL == False)
+    out_ptr,  # [B, H, D] output (PARTIAL == False, or FUSED)
     part_out_ptr,  # fp32 [B, H, splits, D] normalized partial outputs (PARTIAL; WORK: [U, H, D])
     part_lse_ptr,  # fp32 [B, H, splits] log2-sum-exp of each partial (PARTIAL; WORK: [U, H])
+    count_ptr,  # int32 [>= B * KVH] zeros: splits done per (sequence, KV head) (FUSED; reset to 0)
     pool_ptr,  # uint8 [num_pages, page_bytes]
     res_ptr,  # [num_slots, layers, 2, KVH, BS, D] residual tails
     prefix_lens_ptr,  # int32 [B]
@@ -77,6 +81,7 @@ def decode_kernel(
     TAIL_EARLY: tl.constexpr = False,  # SPLIT == 0: the tail's slot and new row loaded at the start
     LO_ROWS: tl.constexpr = False,  # bf16 pages, G <= BLOCK_H / 2: p's lo part in rows BLOCK_H / 2.. (_softmax_step)
     WORK: tl.constexpr = False,  # grid (units, KVH, 1) over work_ptr; partials [U, H, D]
+    FUSED: tl.constexpr = False,  # PARTIAL: the last split to finish combines the partials
 ):
     u = tl.program_id(1) if HEADS_FIRST else tl.program_id(0)
     kvh = tl.program_id(0) if HEADS_FIRST else tl.program_id(1)
@@ -191,6 +196,15 @@ def decode_kernel(
         tl.store(part_out_ptr + (pr * D)[:, None] + d[None, :], o, mask=row_ok[:, None])
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + pr, lse, mask=row_ok)
+        if FUSED:
+            tl.debug_barrier()  # every thread's partial is written before the count says so
+            done = tl.atomic_add(count_ptr + b * KVH + kvh, 1, sem="acq_rel", scope="gpu")
+            if done == n_split - 1:
+                o = combine_own_splits(part_out_ptr, part_lse_ptr, b, u - split, head, row_ok, d, n_split,
+                                       num_splits, KVH * G, D, WORK)
+                op = out_ptr + b.to(tl.int64) * stride_ob + (head * stride_oh)[:, None] + d[None, :]
+                tl.store(op, _cast_out(o, out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                tl.store(count_ptr + b * KVH + kvh, 0)  # ready for the next launch
     else:
         op = out_ptr + b.to(tl.int64) * stride_ob + (head * stride_oh)[:, None] + d[None, :]
         tl.store(op, _cast_out(o, out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -282,7 +296,7 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
                      split_codes: int | None = None, block_h: int | None = None,
                      maxnreg: int | None = None, direct: bool | None = None,
                      heads_first: bool | None = None, tail_early: bool | None = None,
-                     lo_rows: bool | None = None) -> torch.Tensor:
+                     lo_rows: bool | None = None, fused: bool | None = None) -> torch.Tensor:
     """out [B, H, D] for q [B, H, D] (one new token per sequence, k/v [B, KVH, D] its new K/V).
     None takes the format's entry in TILES. `native_cvt` converts fp8/int8 with the hardware
     instructions instead of bit operations; `split_codes` reads 8-bit codes as 32-bit words decoded
@@ -295,7 +309,8 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
     (this kernel; None: the format's choice, fp16 heads first only where one split takes more than a
     wave); `tail_early` loads the last split's residual slot id and new K/V row with q, so no
     load waits after the last page (fp16/bf16 by default); `lo_rows` (bf16 pages, G <= 8) computes p . v
-    as one dot with p's lo part in the padding query rows (None: `decode_tiles.lo_rows_launch` decides)."""
+    as one dot with p's lo part in the padding query rows (None: `decode_tiles.lo_rows_launch` decides);
+    `fused` whether this kernel's last split combines the partials (None: up to FUSED_MAX_SPLITS)."""
     if meta.max_query_len != 1 or q.shape[0] != meta.num_seqs:
         raise ValueError(f"decode needs one new token per sequence: max_query_len={meta.max_query_len}, "
                          f"T={q.shape[0]}, B={meta.num_seqs}")
@@ -337,8 +352,10 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
     unit = _unit(fmt)
     out = torch.empty_like(q)
     res = cache.residual
+    counters = COUNTERS.get(q.device, B * L.kv_heads) if fused is not False else None
     args = dict(
         q_ptr=q, k_ptr=k, v_ptr=v, out_ptr=out, pool_ptr=cache.pool, res_ptr=res,
+        count_ptr=counters if counters is not None else meta.prefix_lens,
         prefix_lens_ptr=meta.prefix_lens, block_tables_ptr=meta.block_tables,
         residual_slots_ptr=meta.residual_slots,
         stride_qb=q.stride(0), stride_qh=q.stride(1), stride_kb=k.stride(0), stride_vb=v.stride(0),
@@ -362,4 +379,5 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
         if tiles.one_wave and own_tile and llama_shape and maxnreg is None:  # (a cap the caller set stays)
             args, splits = one_wave_launch(args, splits, tiles.one_wave, B, L.kv_heads, meta.max_prefix_len + 1,
                                            sms, resident_in, contexts)
+    args["FUSED"] = counters is not None and (fused or splits <= FUSED_MAX_SPLITS)
     return launch_split(decode_kernel, out, L.kv_heads, splits, args, meta.contexts, meta.work)

@@ -1,7 +1,8 @@
 """The Triton decode kernels' split partials (flash-decoding): which sequence and split a program
-serves (a ragged batch's work list, `work_list.py`, or the grid), where its partial goes, and the
-second launch that combines a sequence's partials, weights 2**(lse - max). The Gluon direct kernels'
-counterparts, with the fused reduction, are in split_partials.py."""
+serves (a ragged batch's work list, `work_list.py`, or the grid), where its partial goes, and how a
+sequence's partials combine, weights 2**(lse - max): by the split that finishes last
+(`combine_own_splits`, the plain kernel's FUSED path) or in a second launch. The Gluon direct
+kernels' counterparts are in split_partials.py."""
 from __future__ import annotations
 
 import triton
@@ -30,6 +31,29 @@ def partial_rows(b, u, head, split, num_splits, H: tl.constexpr, WORK: tl.conste
     else:
         rows = (b.to(tl.int64) * H + head) * num_splits + split
     return rows
+
+
+@triton.jit
+def combine_own_splits(part_out_ptr, part_lse_ptr, b, u0, head, row_ok, d, n_split, num_splits,
+                       H: tl.constexpr, D: tl.constexpr, WORK: tl.constexpr):
+    """The output [M, D] of one (sequence, KV head)'s n_split partials, for the heads `head` [M]:
+    combined by the split that finished last (a decode kernel's FUSED path), weights 2**(lse - max)
+    online. Loads bypass L1 (.cg): other SMs wrote the partials. WORK: units u0 .. u0 + n_split - 1."""
+    m = head.to(tl.float32) * 0.0 - 1.0e30  # [M]
+    wsum = m * 0.0
+    acc = tl.zeros((head.shape[0], D), tl.float32)
+    for i in range(0, n_split):
+        pr = partial_rows(b, u0 + i, head, i, num_splits, H, WORK)  # [M]
+        lse = tl.load(part_lse_ptr + pr, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(part_out_ptr + (pr * D)[:, None] + d[None, :], mask=row_ok[:, None], other=0.0,
+                    cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        a = tl.math.exp2(m - m_new)
+        w = tl.math.exp2(lse - m_new)
+        acc = acc * a[:, None] + o * w[:, None]
+        wsum = wsum * a + w
+        m = m_new
+    return acc / tl.where(wsum > 0.0, wsum, 1.0)[:, None]
 
 
 @triton.jit
