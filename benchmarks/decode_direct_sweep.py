@@ -47,13 +47,24 @@ VARIANTS_16 = [("plain", dict(plain=True, heads_first=False)),
                # one program an SM with the deepest pipeline (140 KB of shared memory): bf16's pick where a
                # launch fits one wave; for fp16 (one dot already) not yet timed
                ("128x5", dict(plain=True, lo_rows=False, block_n=128, num_stages=5))]
+# tiles past one wave (256 x 1,024: 2,048 programs, no split), with the engine's early tail loads and
+# heads-first grid there; "lo" also takes bf16's lo rows (fp16: the same as without)
+for _tile, _extra in [((32, 3), dict(maxnreg=128)), ((32, 4), dict(maxnreg=128)), ((64, 3), {}),
+                      ((64, 4), dict(maxnreg=128)), ((128, 2), {}), ((128, 3), {}), ((64, 2), {}),
+                      ((64, 2), dict(maxnreg=128)), ((32, 2), {}), ((32, 2), dict(maxnreg=128)), ((64, 1), {}),
+                      ((128, 1), {}), ((64, 3), dict(maxnreg=128))]:
+    _name = f"{_tile[0]}x{_tile[1]}" + (" cap128" if _extra else "")
+    _base = dict(plain=True, block_n=_tile[0], num_stages=_tile[1], tail_early=True, heads_first=True, **_extra)
+    VARIANTS_16 += [(f"past-wave {_name}", dict(_base, lo_rows=False)),
+                    (f"past-wave lo {_name}", dict(_base, lo_rows=True))]
 
 
 def variants(kv: str, again: bool, names: list | None = None) -> list:
     """(name, variant) of one dtype, only `names` where given; `again`: the first once more at the end
     (drift)."""
     v = VARIANTS_16 if kv in ("fp16", "bf16") else VARIANTS_8
-    v = [x for x in v if names is None or x[0] in names]
+    v = [x for x in v if (names is None or x[0] in names) and not (kv != "bf16" and x[1].get("lo_rows")
+                                                                     and x[0].startswith("past-wave"))]
     return v + [(v[0][0] + " again", v[0][1])] if again else v
 
 

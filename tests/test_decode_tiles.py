@@ -1,14 +1,15 @@
-"""The plain decode kernel's launch choices for bf16 pages (`decode_tiles.lo_rows_launch`) and fp16 pages
-(`decode_tiles.one_wave_launch`): at the four benchmark cases, with the residencies the sm_90 builds give
+"""The plain decode kernel's launch choices for bf16 pages (`decode_tiles.lo_rows_launch`), fp16 pages
+(`decode_tiles.one_wave_launch`) and both unsplit past one wave (`decode_tiles.past_one_wave_launch`): at the four benchmark cases, with the residencies the sm_90 builds give
 (bf16 hi + lo dots at 128-token tiles and 3 stages: 213 registers, 2 programs an SM; lo rows: 168, 3; lo
 rows at 5 stages: 140 KB of shared memory, 1; checked against a real build by
-tests/test_kernels_sm90_build.py; fp16 at 32 x 5 under its 128 cap: 4, at 128 x 5: 1), they take what the
-H200 measured fastest (docs/kernels.md)."""
+tests/test_kernels_sm90_build.py; fp16 at 32 x 5 under its 128 cap: 4, at 128 x 5: 1; at 64 x 2 126
+registers: 4; bf16 lo rows at 64 x 2 under a 128 cap: 4), they take what the H200 measured fastest
+(docs/kernels.md)."""
 from __future__ import annotations
 
 import pytest
 
-from kvmesh.kernels.decode_tiles import TILES, lo_rows_launch, one_wave_launch
+from kvmesh.kernels.decode_tiles import TILES, lo_rows_launch, one_wave_launch, past_one_wave_launch
 from kvmesh.kernels.formats import FMT_BF16, FMT_FP16
 from kvmesh.kernels.splits import Residency, num_splits, slot_cost
 
@@ -74,8 +75,30 @@ def test_residency_of_a_variant_that_does_not_load_is_zero():
 
 
 def fp16_resident(args: dict) -> int:
-    # fp16 pages at 32-token tiles, 5 stages, a 128-register cap: 4 programs an SM; at 128 x 5: 1
+    # fp16 pages at 32-token tiles, 5 stages, a 128-register cap: 4 programs an SM; at 64 x 2 too; at 128 x 5: 1
     return 1 if args["BLOCK_N"] == 128 else 4
+
+
+@pytest.mark.parametrize("batch,ctx,past", [(64, 4096, False), (16, 16384, False), (256, 1024, True),
+                                            (8, 32768, False), (128, 2048, True)])
+def test_unsplit_launches_past_one_wave_take_the_shallow_tile(batch, ctx, past):
+    """fp16: 64 x 2 uncapped; bf16 lo rows: 64 x 2 under a 128 cap; only where the launch runs
+    unsplit in more than one wave (256 x 1,024 among the benchmark's cases)."""
+    fp16 = TILES[FMT_FP16]
+    base = dict(BLOCK_N=fp16.block_n, num_stages=fp16.num_stages, maxnreg=fp16.maxnreg)
+    splits = num_splits(batch, KVH, ctx + 1, SMS, fp16_resident(base), fp16.block_n)
+    args, s = one_wave_launch(base, splits, fp16.one_wave, batch, KVH, ctx + 1, SMS, fp16_resident)
+    args, s = past_one_wave_launch(args, s, fp16.past_one_wave, batch, KVH, ctx + 1, SMS, fp16_resident)
+    assert (args["BLOCK_N"] == 64) == past
+    if past:
+        assert s == 1 and args["num_stages"] == 2 and "maxnreg" not in args
+    lo = dict(LO_ROWS=True, BLOCK_N=128, num_stages=3)
+    args, s = past_one_wave_launch(lo, 1, TILES[FMT_BF16].past_one_wave, batch, KVH, ctx + 1, SMS,
+                                   lambda a: 4 if a["BLOCK_N"] == 64 else 3)
+    want = dict(LO_ROWS=True, BLOCK_N=64, num_stages=2, maxnreg=128) if batch * KVH > SMS * 4 else lo
+    assert (args, s) == (want, 1)
+    assert past_one_wave_launch(lo, 2, TILES[FMT_BF16].past_one_wave, batch, KVH, ctx + 1, SMS,
+                                lambda a: 4) == (lo, 2)  # split launches keep their tile
 
 
 @pytest.mark.parametrize("batch,ctx,want", [(64, 4096, (32, 1)), (16, 16384, (128, 1)),

@@ -312,6 +312,16 @@ def test_gpu_plain_decode_tail_early(kv):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["fp16", "bf16"])
+def test_gpu_plain_decode_past_one_wave(kv):
+    # 160 sequences x 8 KV heads unsplit: more programs than the SMs hold at once, so the launcher
+    # takes its shallow 64-token tile (decode_tiles.past_one_wave_launch)
+    lens = [300 + 7 * i for i in range(160)]
+    check(kv, 4, 128, 16, lens, [1] * len(lens), kv_heads=8, device="cuda",
+          attend=lambda *a: decode_attention(*a, direct=False))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kv", DTYPES)
 def test_gpu_mixed_step(kv):
     # decode rows (direct kernels where they serve) beside a staged chunk and a short extend

@@ -35,6 +35,9 @@ class DecodeTiles:
     lo_rows_deep_stages: int = 0
     # (tokens a tile, pipeline depth) of a launch taken where it fits one wave (`one_wave_launch`); () never
     one_wave: tuple[int, int] | tuple[()] = ()
+    # (tokens a tile, pipeline depth, register cap or 0) of a launch taken where it runs unsplit in more
+    # than one wave (`past_one_wave_launch`); () never
+    past_one_wave: tuple[int, int, int] | tuple[()] = ()
 
 
 # Fastest on the H200 over 64 x 4096 and 16 x 16384 (benchmarks/decode_sweep.py, docs/kernels.md).
@@ -44,10 +47,14 @@ class DecodeTiles:
 # fp16 heads first past one wave: +0.8-1.2 % at 256 x 1,024 (the only case it changes).
 # fp16 one wave at 128 x 5 (one program an SM, 140 KB of shared memory): 16 x 16,384 0.955 -> 0.990x SDPA,
 # 8 x 32,768 0.966 -> 0.998x; past one wave it loses (64 x 4,096 0.948x, 256 x 1,024 0.852x against 0.95-0.97x).
+# Past one wave, unsplit (256 x 1,024, two runs of decode_direct_sweep.py, twenty-second session): fp16 at
+# 64 x 2 0.977-0.980x against the 32 x 5 tile's 0.949-0.952x; bf16 lo rows at 64 x 2 under a 128 cap
+# 0.960x against 128 x 3's 0.945-0.949x (64 x 3 0.955x, 64 x 4 0.952-0.954x, 32-token tiles 0.84-0.91x).
 TILES = {FMT_FP32: DecodeTiles(32, 3),
          FMT_FP16: DecodeTiles(32, 5, tail_early=True, maxnreg=128, heads_first_past_one_wave=True,
-                               one_wave=(128, 5)),
-         FMT_BF16: DecodeTiles(128, 3, heads_first=True, tail_early=True, lo_rows_deep_stages=5),
+                               one_wave=(128, 5), past_one_wave=(64, 2, 0)),
+         FMT_BF16: DecodeTiles(128, 3, heads_first=True, tail_early=True, lo_rows_deep_stages=5,
+                               past_one_wave=(64, 2, 128)),
          FMT_E4M3: DecodeTiles(128, 1, native_cvt=True), FMT_E5M2: DecodeTiles(128, 1, pad_rows=False),
          FMT_INT8: DecodeTiles(128, 3, split_codes=1), FMT_INT4: DecodeTiles(32, 5, pad_rows=False)}
 
@@ -97,6 +104,26 @@ def one_wave_launch(args: dict, splits: int, tile: tuple[int, int], batch: int, 
     deep = {k: v for k, v in args.items() if k != "maxnreg"} | dict(BLOCK_N=block_n, num_stages=stages)
     s = one_wave_splits(deep, batch, kv_heads, context, sms, block_n, resident, contexts)
     return (deep, s) if s else (args, splits)
+
+
+def past_one_wave_launch(args: dict, splits: int, tile: tuple[int, int, int], batch: int, kv_heads: int,
+                         context: int, sms: int, resident: Callable[[dict], int],
+                         contexts: BatchContexts | None = None) -> tuple[dict, int]:
+    """(kernel arguments, splits): the launch at `tile` (tokens a tile, pipeline depth, register cap or 0;
+    the rest of `args` kept, bf16's lo rows too) where it runs unsplit in more than one wave by its own
+    residency, else `args` and `splits` as given. Shallow pipelines on 64-token tiles keep more programs
+    an SM where waves follow one another (H200: TILES' notes)."""
+    if splits != 1:
+        return args, splits
+    block_n, stages, cap = tile
+    shallow = {k: v for k, v in args.items() if k != "maxnreg"} | dict(BLOCK_N=block_n, num_stages=stages)
+    if cap:
+        shallow["maxnreg"] = cap
+    r = resident(shallow)
+    if r and num_splits(batch, kv_heads, context, sms, r, block_n, contexts) == 1 and \
+            waves(batch, kv_heads, sms * r, 1, contexts) > 1:
+        return shallow, 1
+    return args, splits
 
 
 def plain_constexprs(L: BlockLayout, G: int, dot: tl.dtype, *, block_n: int | None = None,
