@@ -19,7 +19,8 @@ starts (`warm_up`), the longer buckets the first time a step needs them:
   decode kernels run over a work list of fixed capacity (`kernels/work_list.py`, `fill_fixed`):
   each sequence split in proportion to its context, filled on the host before each replay, spare
   units to the end. It is captured the first time a step needs it; a step takes it where its work
-  list gives the longest sequence more splits than the bucket's uniform choice (`ragged_splits`).
+  list gives the longest sequence RAGGED_GAIN times the bucket's uniform splits or more
+  (`ragged_splits`).
 Steps the graphs do not serve run eagerly: prompt chunks and mixed steps, contexts past the limit,
 batches larger than `--max-num-seqs`, `--enforce-eager`.
 """
@@ -74,6 +75,7 @@ class DecodeGraphs:
         self._scratch_slot = scratch_slot
         self._batches: dict[int, DecodeBatch] = {}
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self._uniform_splits: dict[tuple[int, int], int] = {}  # (batch size, bucket): `ragged_splits`' reference
         self._logits: torch.Tensor | None = None  # [max size, vocab]: the graphs' output rows
         self._pool = None
         self.failed: str | None = None
@@ -129,8 +131,10 @@ class DecodeGraphs:
             return 0
         padded = np.array(contexts + [1] * (n - len(seqs)), dtype=np.int64)  # padding rows: the new token
         s = fixed_splits(padded, self._work_units(n), MIN_TOKENS_PER_SPLIT)
-        uniform = num_splits(n, self.cache.layout.kv_heads, ctx, num_sms(self.cache.device), WORK_RESIDENT)
-        return s if s >= RAGGED_GAIN * uniform else 0
+        if (n, ctx) not in self._uniform_splits:
+            self._uniform_splits[(n, ctx)] = num_splits(n, self.cache.layout.kv_heads, ctx,
+                                                        num_sms(self.cache.device), WORK_RESIDENT)
+        return s if s >= RAGGED_GAIN * self._uniform_splits[(n, ctx)] else 0
 
     def _work_units(self, n: int) -> int:
         return n + -(-num_sms(self.cache.device) * WORK_RESIDENT // self.cache.layout.kv_heads)

@@ -107,12 +107,17 @@ def fixed_splits(contexts: np.ndarray, capacity: int, min_tokens: int) -> int:
     """Splits of the longest of `contexts` (int64 [B]) for a work list of at most `capacity` units:
     the most that fit, each split of the longest at least `min_tokens` tokens (1 where none fit)."""
     longest = int(contexts.max())
-    best = 1
-    for s in range(2, min(MAX_WORK_SPLITS, longest // max(1, min_tokens)) + 1):
-        if int(np.maximum((contexts * s + longest - 1) // longest, 1).sum()) > capacity:
-            break
-        best = s
-    return best
+
+    def units(s: int) -> int:  # non-decreasing in s
+        return int(np.maximum((contexts * s + longest - 1) // longest, 1).sum())
+    lo, hi = 1, max(1, min(MAX_WORK_SPLITS, longest // max(1, min_tokens)))
+    while lo < hi:  # the largest s in [lo, hi] whose units fit (lo always fits, or is 1)
+        mid = (lo + hi + 1) // 2
+        if units(mid) <= capacity:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def fill_fixed(contexts: np.ndarray, splits: int, work: np.ndarray, seq_units: np.ndarray) -> int:
