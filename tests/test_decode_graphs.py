@@ -90,6 +90,49 @@ def test_ragged_steps_take_a_work_list():
         graphs._batch(1).metadata(511, work=True)
 
 
+def _tiny_case(kv: str, lens: tuple[int, ...], seed: int):
+    """(the tiny CPU model, its page layout for `kv`, random prompts of `lens` tokens, the generator)."""
+    model = tiny_model("cpu")
+    cfg = model.config
+    layout = BlockLayout(num_layers=cfg.num_layers, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                         block_size=BS, kv_dtype=kv)
+    rng = random.Random(seed)
+    return model, layout, [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in lens], rng
+
+
+@pytest.mark.parametrize("kv", ["fp32", "int8", "int4"])
+def test_ragged_graph_path_through_the_triton_kernels(kv, monkeypatch):
+    """The ragged graph's path end to end on the CPU (Triton's interpreter, no capture): the batch's
+    work list, the metadata's fixed plan, the kernels over it and the second-launch reduction give
+    the per-step path's logits, step after step. Thresholds lowered so short contexts split: 16
+    tokens a split, a wave of 1 program an SM (few spare units: the interpreter is slow)."""
+    from kvmesh.engine import decode_graphs
+    from kvmesh.kernels.triton_backend import TritonBackend
+    monkeypatch.setattr(decode_graphs, "MIN_TOKENS_PER_SPLIT", 16)
+    monkeypatch.setattr(decode_graphs, "WORK_RESIDENT", 1)
+    model, layout, prompts, rng = _tiny_case(kv, (120, 9, 30, 4, 17), seed=4)
+    tables = [list(range(1 + 9 * i, 10 + 9 * i)) for i in range(5)]
+    eager_cache = KVCache(layout, 48, SLOTS, torch.float32)
+    graph_cache = KVCache(layout, 48, SLOTS + 1, torch.float32)
+    graphs = DecodeGraphs(model, graph_cache, TritonBackend(), max_seqs=8, max_context=256, scratch_slot=SLOTS,
+                          capture=False)
+    eager = TritonBackend()
+    a = _prefill(model, eager_cache, eager, prompts, tables)
+    _prefill(model, graph_cache, graphs.backend, prompts, tables)
+    tokens = a.argmax(-1).tolist()
+    lens = [len(p) for p in prompts]
+    for step in range(3):
+        slices = [SeqSlice(lens[i], 1, tables[i], i) for i in range(5)]
+        assert graphs.ragged_splits(slices, 8, 256) == 7  # ~121 tokens at 16 or more a split (uniform: 1)
+        meta = build_attention_metadata(slices, layout, SLOTS, "cpu")
+        want = model.compute_logits(model(torch.tensor(tokens), torch.tensor(lens), meta, eager_cache, eager),
+                                    upcast=False)
+        got = graphs.run(tokens, slices)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        tokens = want.argmax(-1).tolist()
+        lens = [n + 1 for n in lens]
+
+
 def _prefill(model, cache, backend, prompts, tables):
     """Each prompt's K/V into `cache` (one step), returns the last logits rows [B, vocab]."""
     slices = [SeqSlice(0, len(p), t, i) for i, (p, t) in enumerate(zip(prompts, tables))]
@@ -107,12 +150,8 @@ def test_fixed_buffers_match_per_step_metadata(kv):
     """Greedy decode of 5 ragged sequences (batch 8 with padding, then 3 of them in batch 4) for 40
     steps, crossing block ends at different steps: the same tokens and logits as the per-step path,
     the same pages and residual tails; nothing written but the sequences' own slots and the scratch slot."""
-    model = tiny_model("cpu")
+    model, layout, prompts, rng = _tiny_case(kv, (5, 30, 16, 47, 63), seed=3)
     cfg = model.config
-    layout = BlockLayout(num_layers=cfg.num_layers, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                         block_size=BS, kv_dtype=kv)
-    rng = random.Random(3)
-    prompts = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in (5, 30, 16, 47, 63)]
     pages = rng.sample(range(1, 60), 5 * 8)
     tables = [pages[8 * i:8 * i + 8] for i in range(5)]
     eager_cache = KVCache(layout, 64, SLOTS, torch.float32)
