@@ -385,5 +385,5 @@ def decode_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
                 and (fmt != FMT_BF16 or args["LO_ROWS"])):
             args, splits = past_one_wave_launch(args, splits, tiles.past_one_wave, B, L.kv_heads,
                                                 meta.max_prefix_len + 1, sms, resident_in, contexts)
-    args["FUSED"] = counters is not None and (fused or splits <= FUSED_MAX_SPLITS)
+    args["FUSED"] = counters is not None and 1 < splits and (fused or splits <= FUSED_MAX_SPLITS)
     return launch_split(decode_kernel, out, L.kv_heads, splits, args, meta.contexts, meta.work)

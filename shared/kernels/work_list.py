@@ -76,7 +76,7 @@ class BatchContexts:
 
     def splits_of(self, splits: int | torch.Tensor) -> torch.Tensor:
         """int64 [B]: each sequence's splits where the longest takes `splits` ([S, 1] counts: [S, B])."""
-        return torch.clamp((self.lens * splits + self.longest - 1) // self.longest, min=1)
+        return _seq_splits(self.lens, self.longest, splits)
 
     def units(self, splits: int) -> int:
         """Units (programs per KV head) of the work list at `splits` for the longest sequence."""
@@ -88,14 +88,9 @@ class BatchContexts:
     def plan(self, splits: int, device: torch.device) -> WorkPlan:
         key = (splits, device)
         if key not in self._plans:
-            n = self.splits_of(splits)  # [B]
-            ends = torch.cumsum(n, 0)
-            first = ends - n
-            unit = torch.arange(int(ends[-1]), dtype=torch.int64)  # [U]
-            seq = torch.searchsorted(ends, unit, right=True)  # (repeat_interleave: 2.4 ms on the CPU)
-            split = unit - first[seq]
-            work = (seq << 16) | (split << 8) | n[seq]
-            self._plans[key] = WorkPlan(splits, _to(work, device), _to((first << 8) | n, device))
+            work, seq_units = _pack(self.splits_of(splits).numpy())
+            self._plans[key] = WorkPlan(splits, _to(torch.from_numpy(work), device),
+                                        _to(torch.from_numpy(seq_units), device))
         return self._plans[key]
 
     def pays(self, splits: int) -> bool:
@@ -107,13 +102,10 @@ def fixed_splits(contexts: np.ndarray, capacity: int, min_tokens: int) -> int:
     """Splits of the longest of `contexts` (int64 [B]) for a work list of at most `capacity` units:
     the most that fit, each split of the longest at least `min_tokens` tokens (1 where none fit)."""
     longest = int(contexts.max())
-
-    def units(s: int) -> int:  # non-decreasing in s
-        return int(np.maximum((contexts * s + longest - 1) // longest, 1).sum())
     lo, hi = 1, max(1, min(MAX_WORK_SPLITS, longest // max(1, min_tokens)))
-    while lo < hi:  # the largest s in [lo, hi] whose units fit (lo always fits, or is 1)
+    while lo < hi:  # the largest s in [lo, hi] whose units fit (units grow with s; lo fits, or is 1)
         mid = (lo + hi + 1) // 2
-        if units(mid) <= capacity:
+        if int(_seq_splits(contexts, longest, mid).sum()) <= capacity:
             lo = mid
         else:
             hi = mid - 1
@@ -124,19 +116,29 @@ def fill_fixed(contexts: np.ndarray, splits: int, work: np.ndarray, seq_units: n
     """Writes the work list of `contexts` (int64 [B]) at `splits` for the longest into the fixed
     buffers work int32 [capacity] (then SPARE_UNIT to the end) and seq_units int32 [B]; returns the
     units used. The caller chose `splits` so that they fit (`fixed_splits`)."""
-    longest = int(contexts.max())
-    n = np.maximum((contexts * splits + longest - 1) // longest, 1)  # [B] each sequence's splits
-    ends = np.cumsum(n)
-    used = int(ends[-1])
+    units, firsts = _pack(_seq_splits(contexts, int(contexts.max()), splits))
+    used = units.shape[0]
     if used > work.shape[0]:
         raise ValueError(f"{used} units do not fit a work list of {work.shape[0]}")
-    first = ends - n
-    seq = np.repeat(np.arange(contexts.shape[0], dtype=np.int64), n)  # [used] each unit's sequence
-    split = np.arange(used, dtype=np.int64) - first[seq]
-    work[:used] = (seq << 16) | (split << 8) | n[seq]
+    work[:used] = units
     work[used:] = SPARE_UNIT
-    seq_units[:] = (first << 8) | n
+    seq_units[:] = firsts
     return used
+
+
+def _seq_splits(lens, longest: int, splits):
+    """Each sequence's splits where the longest (`longest` tokens) takes `splits`: ceil(splits x
+    context / longest), at least 1 (torch or numpy, broadcasting)."""
+    return ((lens * splits + longest - 1) // longest).clip(min=1)
+
+
+def _pack(n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(work int64 [U], seq_units int64 [B]) for n [B] splits a sequence, units sequence by sequence."""
+    ends = np.cumsum(n)
+    first = ends - n
+    seq = np.repeat(np.arange(n.shape[0], dtype=np.int64), n)  # [U] each unit's sequence
+    split = np.arange(int(ends[-1]), dtype=np.int64) - first[seq]
+    return (seq << 16) | (split << 8) | n[seq], (first << 8) | n
 
 
 def _to(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
