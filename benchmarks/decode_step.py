@@ -9,16 +9,17 @@ and its graph replayed (`DecodeGraphs.run`; captured before timing, the first st
 the capture, in the last column). Wall time a step, host
 included (what a serving loop waits), median of --reps after a warm-up; the roofline is the bytes a
 step must read (weights + KV pages with their scales) at the read bandwidth `torch.sum` reaches here.
-Beside it, the same graphs captured without the twenty-second session's fusions (`unfused`: silu then a
-product; the residual added after each GEMM by its own kernel; the plain decode kernel's partials
-combined by a second launch). --profile prints each shape's first case's kernels an eager step, by
-name.
+Beside it, the same graphs captured without the twenty-third session's fusions (`unfused`: the residual
+rows' copy as a second launch of the cache write; FP8's key centers subtracted by their own kernel;
+FP8 rows run with random key centers, as the engine centers FP8 keys). --profile prints each
+shape's first case's kernels an eager step and a graph step (by name: the graph's).
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import contextlib
+import dataclasses
 import random
 import statistics
 import time
@@ -30,7 +31,6 @@ from kernels import _make_importable  # noqa: E402  (maps kvmesh to shared/ with
 _make_importable()
 
 from kvmesh.engine.decode_graphs import DecodeGraphs  # noqa: E402
-from kvmesh.kernels import decode_attention  # noqa: E402
 from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata  # noqa: E402
 from kvmesh.kernels.triton_backend import TritonBackend  # noqa: E402
 from kvmesh.kv.layout import BlockLayout  # noqa: E402
@@ -81,23 +81,27 @@ def model_of(name: str) -> LlamaForCausalLM:
 
 @contextlib.contextmanager
 def unfused():
-    """The step as it ran before the twenty-second session's fusions, for a side-by-side column: silu
-    then a product, the residual added after each of the two GEMMs by its own kernel, and the plain
-    decode kernel's split partials combined by a second launch."""
-    saved = llama._add_linear, llama._gated_silu, decode_attention.FUSED_MAX_SPLITS
+    """The step as it ran before the twenty-third session's fusions, for a side-by-side column: a
+    decode batch's residual rows copied by a launch of their own after the blocks' (a plan not
+    `paired`), and FP8's key centers subtracted by their own kernel after the rotation. (The
+    twenty-second session's column took away the gated SiLU, the residual add inside the GEMMs and
+    the plain kernel's fused split reduction: docs/benchmarks.md.)"""
+    write, rotary = TritonBackend.write, llama.RotaryEmbedding
 
-    def add_linear(residual, lin, x):
-        return residual + lin(x)
+    def separate_write(self, cache, layer, k, v, meta):
+        write(self, cache, layer, k, v, dataclasses.replace(meta, write=dataclasses.replace(meta.write, paired=False)))
 
-    def gated(gate_up, inter):
-        gate, up = gate_up.split(inter, dim=-1)
-        return torch.nn.functional.silu(gate).mul_(up)
+    class SeparateCenters(rotary):
+        @staticmethod
+        def apply(x, cos, sin, key_center=None):
+            qk = rotary.apply(x, cos, sin)
+            return qk if key_center is None else llama.center_keys(qk, key_center)
 
-    llama._add_linear, llama._gated_silu, decode_attention.FUSED_MAX_SPLITS = add_linear, gated, 0
+    TritonBackend.write, llama.RotaryEmbedding = separate_write, SeparateCenters
     try:
         yield
     finally:
-        llama._add_linear, llama._gated_silu, decode_attention.FUSED_MAX_SPLITS = saved
+        TritonBackend.write, llama.RotaryEmbedding = write, rotary
 
 
 def kernel_counts(fn) -> collections.Counter:
@@ -147,6 +151,10 @@ def run_case(model, name: str, kv: str, batch: int, ctx: int, reps: int, bandwid
     cache = KVCache(layout, batch * per_seq, batch + 1, torch.bfloat16, "cuda")
     cache.pool.random_(0, 256)  # timing only: any bytes stream the same
     backend = TritonBackend()
+    # FP8 keys are centered in the engine (model/key_centers.py); random centers cost the same
+    g = torch.Generator().manual_seed(1)
+    model.set_key_centers(torch.randn(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, generator=g) * 0.1
+                          if kv.startswith("fp8") else None)
 
     def new_graphs():
         return DecodeGraphs(model, cache, backend, max_seqs=batch, max_context=max(ctx + 1, 512), scratch_slot=batch)
@@ -170,12 +178,13 @@ def run_case(model, name: str, kv: str, batch: int, ctx: int, reps: int, bandwid
             t_before = timed(lambda: before.run(tokens, slices), reps)
             assert before.failed is None, before.failed
             if profile:
-                old = kernel_counts(eager)
+                old, old_graph = kernel_counts(eager), kernel_counts(lambda: before.run(tokens, slices))
         if profile:
-            new = kernel_counts(eager)
+            new, new_graph = kernel_counts(eager), kernel_counts(lambda: graphs.run(tokens, slices))
             print(f"kernels an eager step, {name} {kv} batch {batch}: {sum(new.values())} "
-                  f"(unfused: {sum(old.values())})", flush=True)
-            for k, n in new.most_common(25):
+                  f"(unfused: {sum(old.values())}); a graph step: {sum(new_graph.values())} "
+                  f"(unfused: {sum(old_graph.values())})", flush=True)
+            for k, n in new_graph.most_common(25):
                 print(f"  {n:5d} {k[:110]}", flush=True)
         del before
     weights = sum(p.numel() * p.element_size() for p in model.parameters())

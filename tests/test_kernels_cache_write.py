@@ -306,3 +306,40 @@ def test_copy_to_residual_rows(model_dtype, res_dtype, kv_heads, head_dim):
         want[d // 16, 1, 0, :, d % 16] = k[s - R].cpu().to(res_dtype)
         want[d // 16, 1, 1, :, d % 16] = v[s - R].cpu().to(res_dtype)
     assert torch.equal(cache.residual.cpu(), want)
+
+
+@pytest.mark.parametrize("kv", DTYPES)
+def test_decode_batch_write_is_one_launch(kv, monkeypatch):
+    """A decode batch's paired plan (`WritePlan.paired`): the completed blocks and every row's residual
+    copy in one launch, the same bytes as the torch backend's blocks-then-copies. Rows 0 and 2 complete
+    a block, row 1 does not, row 3 is padding (the scratch slot); 4 KV heads so INT4 programs take
+    several heads each."""
+    from kvmesh.engine.decode_batch import DecodeBatch, DecodeShape
+    from kvmesh.kernels import triton_backend
+    layout = BlockLayout(num_layers=2, kv_heads=4, head_dim=32, block_size=16, kv_dtype=kv)
+    got, want = (KVCache(layout, 12, 5, torch.float16, DEV) for _ in range(2))
+    g = torch.Generator().manual_seed(len(kv))
+    got.residual.copy_((torch.randn(got.residual.shape, generator=g) * 3).to(torch.float16))
+    want.residual.copy_(got.residual)
+    batch = DecodeBatch(DecodeShape(rows=4, table_width=4, block_size=16, num_slots=5, scratch_slot=4),
+                        torch.device(DEV))
+    batch.fill([1, 2, 3], [SeqSlice(15, 1, [7, 9], 2), SeqSlice(20, 1, [3, 1], 0), SeqSlice(47, 1, [5, 6, 8, 2], 1)])
+    meta = batch.metadata(max_prefix_len=64)
+    assert meta.write.paired and meta.write.block_ids.tolist() == [7, -1, 8, -1]
+    qkv = (torch.randn(4, 3 * 4, 32, generator=g) * 3).to(torch.float16).to(DEV)  # [T, q + k + v heads, D]
+    k, v = qkv[:, 4:8], qkv[:, 8:]  # strided rows, as the model passes them
+
+    def no_second_launch(*args):
+        raise AssertionError("a paired plan's residual rows take the blocks' launch")
+    monkeypatch.setattr(triton_backend, "copy_to_residual", no_second_launch)
+    TritonBackend().write(got, 1, k, v, meta)
+    want.pool, want.residual = want.pool.cpu(), want.residual.cpu()
+    cpu = batch.metadata(max_prefix_len=64)
+    cpu.write = type(cpu.write)(*(t.cpu() for t in (cpu.write.block_rows, cpu.write.block_ids,
+                                                     cpu.write.residual_src, cpu.write.residual_dst)))
+    TorchBackend().write(want, 1, k.cpu(), v.cpu(), cpu)
+    assert torch.equal(got.residual.cpu(), want.residual)
+    assert_pages_match(kv, got, want)
+    with pytest.raises(ValueError, match="paired plan"):
+        write_blocks(got, 1, k, v, meta.write.block_rows, meta.write.block_ids,
+                     residual=(meta.write.residual_src[:2], meta.write.residual_dst[:2]))

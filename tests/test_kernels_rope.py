@@ -50,3 +50,32 @@ def test_rope_kernel_refuses_what_it_cannot_read():
 def test_gpu_model_rope_takes_the_kernel():
     x, cos, sin = _case(4, 9, 3, 64, torch.bfloat16, "cuda", seed=1)
     torch.testing.assert_close(RotaryEmbedding.apply(x, cos, sin), apply_rope(x, cos, sin), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rope_kernel_centers_the_keys(dtype):
+    """With key centers (FP8 KV) the keys lose theirs in the same launch, bit for bit what the rotation
+    followed by torch's subtraction gives; the query heads are untouched. (The interpreter narrows
+    fp32 to bf16 by truncation, environment.md: there bf16 keys agree within one bf16 ulp.)"""
+    dev = "cuda" if ON_GPU else "cpu"
+    x, cos, sin = _case(3, 9, 3, 64, dtype, dev, seed=7)
+    center = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)).to(dtype).to(dev)
+    got = apply_rope(x, cos, sin, center)
+    plain = apply_rope(x, cos, sin)
+    assert torch.equal(got[:, :9], plain[:, :9])
+    if ON_GPU or dtype != torch.bfloat16:
+        assert torch.equal(got[:, 9:], plain[:, 9:] - center)
+    else:
+        want = (plain[:, 9:] - center).float()
+        assert ((got[:, 9:].float() - want).abs() <= 2 ** -7 * want.abs().clamp(min=2 ** -7)).all()
+    assert not torch.equal(got[:, 9:], plain[:, 9:])
+    with pytest.raises(ValueError, match="key_center"):
+        apply_rope(x, cos, sin, center.float() if dtype != torch.float32 else center.half())
+    # the model's form: the kernel on a GPU, the torch rotation and an in-place subtraction elsewhere
+    want = RotaryEmbedding.rotate(x, cos, sin)
+    want[:, 9:] -= center
+    model = RotaryEmbedding.apply(x, cos, sin, center)
+    if ON_GPU:
+        assert torch.equal(model, got)
+    else:  # the torch form: bit for bit the rotation, then the subtraction
+        assert torch.equal(model, want)

@@ -116,7 +116,7 @@ class DecodeBatch:
         n, w, bs = self.shape.rows, self.shape.table_width, self.shape.block_size
         d64, d32 = self._dev64, self._dev32
         write = WritePlan(block_rows=d64[5 * n:].view(n, bs), block_ids=d64[2 * n:3 * n],
-                          residual_src=d64[3 * n:4 * n], residual_dst=d64[4 * n:5 * n])
+                          residual_src=d64[3 * n:4 * n], residual_dst=d64[4 * n:5 * n], paired=True)
         if work and not self.shape.work_units:
             raise ValueError("this decode batch has no work list")
         plan = WorkPlan(0, d32[3 * n:self._head32], d32[2 * n:3 * n]) if work else None

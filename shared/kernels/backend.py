@@ -40,6 +40,10 @@ class WritePlan:
     """int64 [m]: rows of S that stay in full precision..."""
     residual_dst: torch.Tensor
     """int64 [m]: ...and the residual rows (slot * bs + offset) they are copied to."""
+    paired: bool = False
+    """A decode batch's plan (`DecodeBatch`): m = n, and copy i is new row i's, which completes block
+    i where block i has a page. No block then reads a residual row that a copy writes, so one launch
+    may do both (`cache_write.write_blocks(..., residual=...)`)."""
 
 
 @dataclass

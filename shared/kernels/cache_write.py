@@ -1,9 +1,11 @@
 """Cache write: quantize completed K/V blocks straight into their pages (one fused Triton kernel).
 
-One program per (completed block, KV head). It gathers the block's `bs` rows from
+One program per (completed block, KV head group). It gathers the block's `bs` rows from
 S = cat(residual rows, new rows) (the `WritePlan` numbering), computes the scales over the whole
 block, quantizes, and stores data + scales at the page's byte offsets (`kv/layout.py`). Pages with
-id -1 are padding: the program returns at once, so the grid is fixed (CUDA-graph friendly).
+id -1 are padding: the program returns at once, so the grid is fixed (CUDA-graph friendly). A decode
+batch's plan pairs block i with leftover row i (`WritePlan.paired`): program (i, heads) then also
+copies new row i's heads to its residual row, and a step's whole cache write is one launch.
 The math follows `kvmesh.kv.quant` exactly: scales rounded to their stored dtype before quantizing,
 correctly rounded division (`div_rn`; on the GPU its fma form `formats.div_rn_fma`), round-half-even.
 On the GPU fp8 uses the hardware cast; under the interpreter an integer encoder (same bytes, see
@@ -166,6 +168,18 @@ def _store_int8(pool_ptr, base, scale_base, head, x, BS: tl.constexpr, D: tl.con
 
 
 @triton.jit
+def _copy_row(res_ptr, k_ptr, v_ptr, n, d, slot_stride, res_layer_off, stride_kt, stride_vt, h, c,
+              KVH: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, mask=None):
+    """New row n of k and v [T, KVH, D], heads h [HP, 1] and channels c [1, D'] -> residual row d (slot *
+    BS + offset) of one layer, converted to the residual's dtype."""
+    n, d = n.to(tl.int64), d.to(tl.int64)
+    out = res_ptr + (d // BS) * slot_stride + res_layer_off + (h * BS + d % BS) * D + c  # K half; V KVH BS D on
+    ty = res_ptr.dtype.element_ty
+    tl.store(out, tl.load(k_ptr + n * stride_kt + h * D + c, mask=mask).to(ty), mask=mask)
+    tl.store(out + KVH * BS * D, tl.load(v_ptr + n * stride_vt + h * D + c, mask=mask).to(ty), mask=mask)
+
+
+@triton.jit
 def _cache_write_kernel(
     pool_ptr,  # uint8 [num_pages, page_bytes]
     res_ptr,  # [num_slots, layers, 2, KVH, BS, D] model dtype (contiguous)
@@ -173,6 +187,7 @@ def _cache_write_kernel(
     v_ptr,  # [T, KVH, D] new values
     block_rows_ptr,  # int64 [n_blocks, BS] rows of S = cat(residual rows, new rows)
     block_ids_ptr,  # int64 [n_blocks] destination page, -1 = padding
+    res_src_ptr, res_dst_ptr,  # int64 [n_blocks] with PAIRED: new row i (as a row of S) -> residual row
     page_stride,  # bytes between pages
     layer_off,  # layer * layer_bytes
     slot_stride,  # elements between residual slots
@@ -184,9 +199,14 @@ def _cache_write_kernel(
     HW: tl.constexpr,  # GPU: hardware fp8 cast and fma division (the interpreter misrounds both)
     STEPS: tl.constexpr,  # Markstein corrections in div_rn_fma: 1 for fp16/bf16 inputs, 2 for fp32
     HP: tl.constexpr,  # KV heads per program (int4; 1 for the other formats)
+    PAIRED: tl.constexpr,  # also copy new row blk's heads to residual row res_dst[blk] (WritePlan.paired)
 ):
     blk = tl.program_id(0)
     head = tl.program_id(1)
+    if PAIRED:  # rows no block of this launch reads (WritePlan.paired)
+        _copy_row(res_ptr, k_ptr, v_ptr, tl.load(res_src_ptr + blk) - R, tl.load(res_dst_ptr + blk), slot_stride,
+                  res_layer_off, stride_kt, stride_vt, head * HP + tl.arange(0, HP)[:, None],
+                  tl.arange(0, D)[None, :], KVH, BS, D)
     page = tl.load(block_ids_ptr + blk)
     rows = tl.load(block_rows_ptr + blk * BS + tl.arange(0, BS))  # [BS] int64
     tl.debug_barrier()  # keeps the rows load here, in flight with the page id's, not sunk below the test
@@ -247,10 +267,13 @@ def int4_heads(kv_heads: int, head_dim: int, num_warps: int, elem_bytes: int = 2
 
 
 def write_blocks(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
-                 block_rows: torch.Tensor, block_ids: torch.Tensor, *, num_warps: int | None = None,
+                 block_rows: torch.Tensor, block_ids: torch.Tensor, *,
+                 residual: tuple[torch.Tensor, torch.Tensor] | None = None, num_warps: int | None = None,
                  heads_per_program: int | None = None, maxnreg: int | None = -1) -> None:
     """Quantize blocks `block_rows` [n, bs] (rows of cat(residual rows, new rows)) into pages
-    `block_ids` [n] (-1 = skip) of `layer`. k, v: [T, KVH, D] new rows. `num_warps`,
+    `block_ids` [n] (-1 = skip) of `layer`. k, v: [T, KVH, D] new rows. `residual` (src, dst) [n]
+    each, a paired plan's (`WritePlan.paired`): new row src[i] also goes to residual row dst[i], in
+    the same launch, even where block i is padding. `num_warps`,
     `heads_per_program` and `maxnreg` (int4 only; -1: INT4_MAXNREG, None: no cap) override the
     defaults, for benchmarks."""
     L = cache.layout
@@ -261,6 +284,9 @@ def write_blocks(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
     n = int(block_ids.shape[0])
     if block_rows.shape != (n, L.block_size):
         raise ValueError(f"block_rows must be [{n}, {L.block_size}], got {tuple(block_rows.shape)}")
+    if residual is not None and any(r.shape != (n,) for r in residual):
+        raise ValueError(f"residual src and dst must be [{n}] each (a paired plan), got "
+                         f"{[tuple(r.shape) for r in residual]}")
     if n == 0:
         return
     if cache.pool.dtype != torch.uint8 or not cache.pool.is_contiguous():
@@ -281,6 +307,8 @@ def write_blocks(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
         pool_ptr=cache.pool, res_ptr=res, k_ptr=k, v_ptr=v,
         block_rows_ptr=block_rows.to(torch.int64).contiguous(),
         block_ids_ptr=block_ids.to(torch.int64).contiguous(),
+        res_src_ptr=block_ids if residual is None else residual[0].to(torch.int64).contiguous(),
+        res_dst_ptr=block_ids if residual is None else residual[1].to(torch.int64).contiguous(),
         page_stride=L.block_bytes, layer_off=layer * L.layer_bytes,
         slot_stride=slot_stride, res_layer_off=layer * res.stride(1),
         stride_kt=k.stride(0), stride_vt=v.stride(0), R=cache.num_residual_slots * L.block_size,
@@ -288,7 +316,7 @@ def write_blocks(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
         FMT=fmt, KVH=L.kv_heads, BS=L.block_size, D=L.head_dim,
         HW=os.environ.get("TRITON_INTERPRET") != "1",
         STEPS=1 if {res.dtype, k.dtype, v.dtype} <= {torch.float16, torch.bfloat16} else 2,
-        HP=hp, num_warps=num_warps,
+        HP=hp, PAIRED=residual is not None, num_warps=num_warps,
         enable_fp_fusion=fmt != FMT_INT4,  # int4 rounds the product before the rounding add (int4_codec._bits)
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
@@ -301,15 +329,10 @@ def _residual_rows_kernel(res_ptr, k_ptr, v_ptr, src_ptr, dst_ptr, slot_stride, 
     """One program per leftover row: new row src - R of k and v [T, KVH, D] -> residual row dst (slot *
     BS + offset) of one layer, every KV head, converted to the residual's dtype."""
     m = tl.program_id(0)
-    n = (tl.load(src_ptr + m) - R).to(tl.int64)  # [] the new row
-    d = tl.load(dst_ptr + m).to(tl.int64)
     h = tl.arange(0, KVH_P)[:, None]  # [KVH_P, 1]
     c = tl.arange(0, D_P)[None, :]  # [1, D_P]
-    mask = (h < KVH) & (c < D)
-    out = res_ptr + (d // BS) * slot_stride + res_layer_off + (h * BS + d % BS) * D + c  # K half; V KVH BS D on
-    ty = res_ptr.dtype.element_ty
-    tl.store(out, tl.load(k_ptr + n * stride_kt + h * D + c, mask=mask).to(ty), mask=mask)
-    tl.store(out + KVH * BS * D, tl.load(v_ptr + n * stride_vt + h * D + c, mask=mask).to(ty), mask=mask)
+    _copy_row(res_ptr, k_ptr, v_ptr, tl.load(src_ptr + m) - R, tl.load(dst_ptr + m), slot_stride, res_layer_off,
+              stride_kt, stride_vt, h, c, KVH, BS, D, mask=(h < KVH) & (c < D))
 
 
 def copy_to_residual(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,

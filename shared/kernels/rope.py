@@ -4,6 +4,10 @@ which a decode step's CUDA graph replays one after another at a few microseconds
 
 out[t, h, c] = x[t, h, c] cos[t, c] + sign(c) x[t, h, (c + D/2) mod D] sin[t, c], sign -1 on the first
 half; computed in fp32 and rounded once to x's dtype (torch rounds each of its three ops).
+
+With key centers (FP8 KV, `model/key_centers.py`) the same launch also subtracts center[h - first] from
+heads h >= first, the keys: the rotated key rounded to x's dtype, then the difference rounded again,
+as torch's `k - center` after the rotation rounds it (one kernel a layer fewer, the same bits).
 """
 from __future__ import annotations
 
@@ -13,8 +17,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_ct, stride_st, heads,
-                 D: tl.constexpr, HP: tl.constexpr):
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, center_ptr, stride_xt, stride_ct, stride_st, heads, first,
+                 D: tl.constexpr, HP: tl.constexpr, CENTER: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, HP)[:, None]  # [HP, 1]
     c = tl.arange(0, D)[None, :]  # [1, D]
@@ -25,8 +29,12 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_ct, stride_
     cos = tl.load(cos_ptr + t * stride_ct + c).to(tl.float32)  # [1, D]
     sin = tl.load(sin_ptr + t * stride_st + c).to(tl.float32)
     rotated = tl.where(c < D // 2, -partner, partner)
-    out = x * cos + rotated * sin
-    tl.store(out_ptr + (t * heads + h) * D + c, out.to(out_ptr.dtype.element_ty), mask=mask)
+    out = (x * cos + rotated * sin).to(out_ptr.dtype.element_ty)
+    if CENTER:  # keys: minus their head's center, [heads - first, D]
+        keys = mask & (h >= first)
+        center = tl.load(center_ptr + (h - first) * D + c, mask=keys, other=0.0).to(tl.float32)
+        out = tl.where(keys, (out.to(tl.float32) - center).to(out_ptr.dtype.element_ty), out)
+    tl.store(out_ptr + (t * heads + h) * D + c, out, mask=mask)
 
 
 def reads(x: torch.Tensor) -> bool:
@@ -36,15 +44,23 @@ def reads(x: torch.Tensor) -> bool:
     return x.stride(2) == 1 and x.stride(1) == D and not D & (D - 1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               key_center: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, heads, D] (`reads(x)`), cos / sin [T, 1, D] -> rotated x, a new contiguous [T, heads, D]
-    tensor in x's dtype."""
+    tensor in x's dtype. key_center [KVH, D] (x's dtype): the last KVH heads are keys and lose it."""
     T, heads, D = x.shape
     if not reads(x):
         raise ValueError(f"x must be [T, heads, D] with contiguous heads and a power-of-two D, got "
                          f"{tuple(x.shape)} strides {x.stride()}")
+    if key_center is not None and (key_center.dim() != 2 or key_center.shape[0] > heads
+                                   or key_center.shape[1] != D or key_center.dtype != x.dtype):
+        raise ValueError(f"key_center must be [KVH <= {heads}, {D}] {x.dtype}, got {tuple(key_center.shape)} "
+                         f"{key_center.dtype}")
     out = torch.empty(T, heads, D, dtype=x.dtype, device=x.device)
+    center = x if key_center is None else key_center.contiguous()  # any pointer where CENTER is off
     if T:
-        _rope_kernel[(T,)](x, cos, sin, out, x.stride(0), cos.stride(0), sin.stride(0), heads, D=D,
-                           HP=triton.next_power_of_2(heads), num_warps=4 if heads * D >= 2048 else 1)
+        _rope_kernel[(T,)](x, cos, sin, out, center, x.stride(0), cos.stride(0), sin.stride(0), heads,
+                           heads - (0 if key_center is None else key_center.shape[0]), D=D,
+                           HP=triton.next_power_of_2(heads), CENTER=key_center is not None,
+                           num_warps=4 if heads * D >= 2048 else 1)
     return out

@@ -45,6 +45,10 @@ class TritonBackend:
               meta: AttentionMetadata) -> None:
         plan = meta.write
         k, v = _head_rows(k), _head_rows(v)
+        if plan.paired:  # a decode batch's: the leftover rows ride in the blocks' launch
+            write_blocks(cache, layer, k, v, plan.block_rows, plan.block_ids,
+                         residual=(plan.residual_src, plan.residual_dst))
+            return
         write_blocks(cache, layer, k, v, plan.block_rows, plan.block_ids)
         copy_to_residual(cache, layer, k, v, plan.residual_src, plan.residual_dst)
 

@@ -22,7 +22,7 @@ from kvmesh.model.config import ModelConfig
 from kvmesh.model.native_decode import NativeDecodeStep
 from kvmesh.model.packed_linear import (PackedBf16Linear, PackedGateUp, PackedLinear, onednn_bf16_packing_works,
                                         pack_linears)
-from kvmesh.model.rope import RotaryEmbedding
+from kvmesh.model.rope import RotaryEmbedding, center_keys
 
 
 class RMSNorm(nn.Module):
@@ -61,14 +61,15 @@ class Attention(nn.Module):
         """x: normed hidden [T, hidden] -> residual + attention output [T, hidden]."""
         T = x.shape[0]
         qkv = self.qkv_proj(x).view(T, self.h + 2 * self.kvh, self.d)  # [T, H + 2 KVH, D]
-        # one rotation for q and k together (fewer kernel launches per layer)
+        # one rotation for q and k together (fewer kernel launches per layer); with key centers
+        # (FP8 KV) the keys lose theirs in the same pass: a shift softmax ignores
         if self.native is not None and qkv.dtype == torch.bfloat16:
             qk = self.native.rope(qkv[:, :self.h + self.kvh], cos, sin)  # [T, H + KVH, D], one pass
+            if self.key_center is not None:
+                qk = center_keys(qk, self.key_center)
         else:
-            qk = RotaryEmbedding.apply(qkv[:, :self.h + self.kvh], cos, sin)  # [T, H + KVH, D]
+            qk = RotaryEmbedding.apply(qkv[:, :self.h + self.kvh], cos, sin, self.key_center)  # [T, H + KVH, D]
         q, k = qk[:, :self.h], qk[:, self.h:]  # [T, H, D], [T, KVH, D]
-        if self.key_center is not None:  # a shift every key of a query shares: softmax ignores it
-            k = k - self.key_center
         v = qkv[:, self.h + self.kvh:]  # [T, KVH, D]
         out = backend.attend(cache, self.layer, q, k, v, meta, self.scale)  # [T, H, D]
         backend.write(cache, self.layer, k, v, meta)

@@ -52,12 +52,15 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D] -> rotated x (first half pairs with second half). On a GPU one Triton
-        launch (`kernels/rope.py`: five torch kernels a layer otherwise)."""
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              key_center: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, heads, D] -> rotated x (first half pairs with second half); key_center [KVH, D]: the
+        last KVH heads (the keys) then lose it after the rotation. On a GPU one Triton launch
+        (`kernels/rope.py`: five torch kernels a layer otherwise, six with the centers)."""
         if x.is_cuda and rope_kernel.reads(x):
-            return rope_kernel.apply_rope(x, cos, sin)
-        return RotaryEmbedding.rotate(x, cos, sin)
+            return rope_kernel.apply_rope(x, cos, sin, key_center)
+        out = RotaryEmbedding.rotate(x, cos, sin)
+        return out if key_center is None else center_keys(out, key_center)
 
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -65,3 +68,10 @@ class RotaryEmbedding(nn.Module):
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
+
+
+def center_keys(qk: torch.Tensor, key_center: torch.Tensor) -> torch.Tensor:
+    """qk [T, H + KVH, D] rotated, a tensor of its own: its last KVH heads minus key_center [KVH, D],
+    in place (`kvmesh.model.key_centers`: softmax ignores a shift that all of a query's keys share)."""
+    qk[:, qk.shape[1] - key_center.shape[0]:] -= key_center
+    return qk
