@@ -45,7 +45,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.cache.num_blocks, config.cache.enable_prefix_caching,
                                  block_size=self.layout.block_size)
         limits = SchedulerLimits(sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len,
-                                 self.layout.block_size, config.cache.enable_prefix_caching)
+                                 self.layout.block_size, config.cache.enable_prefix_caching,
+                                 batch_prefills=self.runner.graphs is not None)
         self.scheduler = Scheduler(limits, self.kv, sc.max_num_seqs, self._load_tail)
         self.sampler = Sampler(config.seed, self.runner.device, self.runner.native)
         self._requests: dict[str, Request] = {}
