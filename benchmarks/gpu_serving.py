@@ -14,8 +14,9 @@ turn, --reps rounds; a row keeps its best round. Time counts from the first requ
 last token out. What a smaller KV format buys shows twice: more sequences run at once (the pool
 holds more tokens) and each decode step reads fewer bytes. Columns: pages in the pool, the most and
 the mean sequences running a step, preemptions, engine steps, those that ran eagerly (not a graph
-replay: a prompt chunk in them) and the seconds they took, generated tokens/s, and the row's
-throughput against the first row. Policies: the engine's (`SchedulerLimits.batch_prefills`:
+replay: a prompt chunk in them) and the seconds they took, the time from the burst's start to each
+request's first token (p50 / p90: in a burst mostly its wait for a seat), generated tokens/s, and
+the row's throughput against the first row. Policies: the engine's (`SchedulerLimits.batch_prefills`:
 prompts join running decodes in batches, since each such step leaves the CUDA graphs;
 `growth_reserve`: a free page kept for each running sequence), every admission at once with the
 reserve, and as before 2026-12-03 (at once, no reserve). `--cprofile int4` runs that dtype once
@@ -86,10 +87,14 @@ def drive(eng, load: Load, params: list[SamplingParams], device: str, tag: str, 
         eng.add_request(f"{tag}-{i}", p, sp)
     if prof:
         prof.enable()
-    done = 0
+    done, first_token = 0, {}
     while eng.has_unfinished():
         replays, t = graphs.replays if graphs is not None else 0, time.perf_counter()
-        done += sum(o.finished for o in eng.step())  # sampling reads the tokens back: the step's end
+        outs = eng.step()  # sampling reads the tokens back: the step's end
+        now = time.perf_counter()
+        for o in outs:
+            done += o.finished
+            first_token.setdefault(o.request_id, now - t0)
         if graphs is None or graphs.replays == replays:
             eager_s, eager_steps = eager_s + time.perf_counter() - t, eager_steps + 1
         running.append(eng.stats().num_running)
@@ -101,7 +106,9 @@ def drive(eng, load: Load, params: list[SamplingParams], device: str, tag: str, 
     end = eng.stats()
     generated = end.generation_tokens - base.generation_tokens
     assert done == len(params) and generated == sum(sp.max_tokens for sp in params), (done, generated)
+    ttft = sorted(first_token.values())
     return dict(pages=end.num_blocks, max_running=max(running), mean_running=statistics.mean(running),
+                ttft50=ttft[len(ttft) // 2], ttft90=ttft[min(len(ttft) - 1, len(ttft) * 9 // 10)],
                 preemptions=end.num_preemptions - base.num_preemptions, wall=wall, tokens_s=generated / wall,
                 steps=len(running), eager=eager_steps, eager_s=eager_s)
 
@@ -156,7 +163,8 @@ def main() -> None:
              f"{a.prompt_len} and new tokens {a.new_tokens} on average (±{a.spread:.0%}), max {a.max_num_seqs} "
              f"sequences, best of {a.reps}, {torch.cuda.get_device_name() if a.device == 'cuda' else 'CPU'}", "",
              "| KV dtype | admissions | pages | most running | mean running | preemptions | steps | eager steps | "
-             "eager s | seconds | generated tokens/s | vs first row |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "eager s | first token p50 / p90 s | seconds | generated tokens/s | vs first row |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     first = None
     for kv in a.kv_dtypes.split(","):
@@ -170,7 +178,8 @@ def main() -> None:
         for policy, r in rows.items():
             first = first or r["tokens_s"]
             line = (f"| {kv} | {policy} | {r['pages']} | {r['max_running']} | {r['mean_running']:.1f} | "
-                    f"{r['preemptions']} | {r['steps']} | {r['eager']} | {r['eager_s']:.2f} | {r['wall']:.2f} | "
+                    f"{r['preemptions']} | {r['steps']} | {r['eager']} | {r['eager_s']:.2f} | "
+                    f"{r['ttft50']:.2f} / {r['ttft90']:.2f} | {r['wall']:.2f} | "
                     f"{r['tokens_s']:.0f} | {r['tokens_s'] / first:.2f}x |")
             print(line, flush=True)
             lines.append(line)
