@@ -26,7 +26,8 @@ class SchedulerLimits:
     enable_prefix_caching: bool
     batch_prefills: bool = False
     """Decode steps run as CUDA graphs (a GPU): a prompt joining running decodes sends the whole step
-    down the eager path, ~10x a graph step, so admissions wait to go in together (`_worth_a_step`)."""
+    down the eager path (~17x a graph step, SmolLM2 in `benchmarks/gpu_serving.py`), so admissions
+    wait to go in together (`_worth_a_step`)."""
     prefill_wait_steps: int = 32
     """With batch_prefills, the most steps a waiting request is held back while others decode."""
     growth_reserve: bool = True
@@ -144,9 +145,9 @@ class Scheduler:
         lightly loaded engine admits at once, and a loaded one pays one eager step for a batch of
         prompts instead of one a prompt. (An eager step costs E graph steps; holding k seats empty
         costs k / running of a step, each step; with completions every G / running steps for G
-        tokens a request, the two balance at k ~ running * sqrt(2 E / G): 0.4 running at E 10,
-        G 128. A quarter leaves room for shorter generations.) Counted without prefix hits (they
-        only need fewer pages)."""
+        tokens a request, the two balance at k ~ running * sqrt(2 E / G): 0.4-0.5 running at E
+        10-17, G 128. A quarter leaves room for shorter generations.) Counted without prefix hits
+        (they only need fewer pages)."""
         if not self.limits.batch_prefills or not out.seqs or max(out.num_new) > 1:
             return True
         if self._held_steps >= self.limits.prefill_wait_steps:
@@ -156,7 +157,8 @@ class Scheduler:
         slots = len(self._free_slots)
         for seq in self.waiting:
             n, need = self._seats(seq), seq.num_tokens // self.limits.block_size + 1
-            if n > min(seats, slots) or need + (len(self.running) + count if self.limits.growth_reserve else 0) > pages:
+            reserve = len(self.running) + count if self.limits.growth_reserve else 0  # as `_admit` keeps
+            if n > min(seats, slots) or need + reserve > pages:
                 return False
             count, tokens = count + 1, tokens + seq.num_tokens
             if count >= target or tokens >= budget:
