@@ -333,9 +333,10 @@ class LLMEngine:
                         self.runner.dtype_name)
 
     def _output(self, req: Request) -> RequestOutput:
+        finished = req.finished  # a scan of the request's sequences: once (every request, every step)
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            outputs=[s.completion() for s in req.seqs], finished=req.finished,
+            outputs=[s.completion() for s in req.seqs], finished=finished,
             num_cached_tokens=req.num_cached_tokens,
             prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
-            kv_export=req.kv_export if req.finished else None)
+            kv_export=req.kv_export if finished else None)

@@ -92,7 +92,7 @@ class Sequence:
         finished = self.finish_reason is not None
         return CompletionOutput(
             index=self.index, text=self.detok.visible_text(finished),
-            token_ids=list(self.output_token_ids),
+            token_ids=self.output_token_ids,  # a slice: a list of its own
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             finish_reason=self.finish_reason, stop_reason=self.stop_reason)
 
