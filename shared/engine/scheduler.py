@@ -157,14 +157,18 @@ class Scheduler:
         slots = len(self._free_slots)
         for seq in self.waiting:
             n, need = self._seats(seq), seq.num_tokens // self.limits.block_size + 1
-            reserve = len(self.running) + count if self.limits.growth_reserve else 0  # as `_admit` keeps
-            if n > min(seats, slots) or need + reserve > pages:
+            if n > min(seats, slots) or need + self._reserve(count) > pages:
                 return False
             count, tokens = count + 1, tokens + seq.num_tokens
             if count >= target or tokens >= budget:
                 return True
             pages, seats, slots = pages - need, seats - n, slots - n
         return False
+
+    def _reserve(self, admitted: int = 0) -> int:
+        """Free pages an admission must leave (`growth_reserve`): one for each running sequence's next
+        block, counting `admitted` more about to run."""
+        return len(self.running) + admitted if self.limits.growth_reserve else 0
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Prefix lookup and page allocation for a waiting sequence; returns tokens to compute
@@ -187,8 +191,7 @@ class Scheduler:
             seq.resume_tail = None  # a block went missing: recompute, like a preemption
         num_new = min(seq.num_tokens - computed, budget)
         need = (computed + num_new) // bs - len(hits)
-        reserve = len(self.running) if self.limits.growth_reserve else 0  # one page each (the field's note)
-        if not self.kv.can_allocate(need + reserve, hits):
+        if not self.kv.can_allocate(need + self._reserve(), hits):
             return 0
         seq.block_ids = self.kv.take(hits) + self.kv.allocate(need)
         seq.num_cached_blocks = len(hits)

@@ -45,12 +45,11 @@ class TritonBackend:
               meta: AttentionMetadata) -> None:
         plan = meta.write
         k, v = _head_rows(k), _head_rows(v)
-        if plan.paired:  # a decode batch's: the leftover rows ride in the blocks' launch
-            write_blocks(cache, layer, k, v, plan.block_rows, plan.block_ids,
-                         residual=(plan.residual_src, plan.residual_dst))
-            return
-        write_blocks(cache, layer, k, v, plan.block_rows, plan.block_ids)
-        copy_to_residual(cache, layer, k, v, plan.residual_src, plan.residual_dst)
+        # a decode batch's plan: the leftover rows ride in the blocks' launch
+        paired = (plan.residual_src, plan.residual_dst) if plan.paired else None
+        write_blocks(cache, layer, k, v, plan.block_rows, plan.block_ids, residual=paired)
+        if paired is None:
+            copy_to_residual(cache, layer, k, v, plan.residual_src, plan.residual_dst)
 
 
 def _head_rows(x: torch.Tensor) -> torch.Tensor:
