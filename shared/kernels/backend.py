@@ -90,6 +90,10 @@ class AttentionMetadata:
     """A CUDA graph's work list of fixed capacity, filled on the host before each replay
     (`work_list.fill_fixed`): every decode launch runs over it (partials, second-launch reduction),
     whatever split count it would choose; None: the launch plans its own."""
+    tiles: torch.Tensor | None = None
+    """int32 [capacity]: a CUDA graph's prefill tile list of fixed capacity (`engine/chunk_batch.py`):
+    entry b << 16 | tile is sequence b's tile of `paged_attention.tile_tokens` new tokens, -1 a spare;
+    the prefill kernel runs one program per entry (and KV head). None: it tiles every sequence."""
 
     @property
     def num_seqs(self) -> int:

@@ -174,6 +174,7 @@ def paged_attention_kernel(
     stage_ptr,  # fp16 [P, 2, KVH, BS, D] workspace pages (as uint8), when STAGED
     stage_tables_ptr,  # int32 [B, max_pages] workspace page of each full page; rows of -1: not staged
     # (STAGED: 0 = no workspace; a step that staged: 1 = its staged sequences, 2 = the others)
+    tiles_ptr,  # int32 [capacity] b << 16 | tile, -1 spare (TILES: a CUDA graph's fixed tile list)
     stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh,
     stride_bt,  # elements between block-table rows
     page_stride,  # units (see `_unit`) between pages
@@ -188,9 +189,15 @@ def paged_attention_kernel(
     BS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, TOK_PER_TILE: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr, STAGED: tl.constexpr,
     STAGE_V_OFF: tl.constexpr,  # KVH * BS * D
+    TILES: tl.constexpr = False,  # grid (capacity, 1, KVH) over tiles_ptr
 ):
-    tile = tl.program_id(0)
-    b = tl.program_id(1)
+    if TILES:
+        entry = tl.load(tiles_ptr + tl.program_id(0))
+        b = tl.maximum(entry, 0) >> 16
+        tile = entry & 0xFFFF
+    else:
+        tile = tl.program_id(0)
+        b = tl.program_id(1)
     kvh = tl.program_id(2)
     q_start = tl.load(query_start_ptr + b)
     q_len = tl.load(query_start_ptr + b + 1) - q_start
@@ -199,6 +206,8 @@ def paged_attention_kernel(
     n_end = prefix // BS * BS  # keys in full pages
     st_row = stage_tables_ptr + b.to(tl.int64) * stride_st
     mine = tok0 < q_len
+    if TILES:
+        mine = mine & (entry >= 0)
     if STAGED == 1:  # the staged sequences, and those without full pages
         mine = mine & ((tl.load(st_row) >= 0) | (n_end == 0))
     if STAGED == 2:  # the other sequences of a step that staged some
@@ -297,6 +306,14 @@ def _check(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torc
             raise ValueError(f"meta.{name} must be int32, got {getattr(meta, name).dtype}")
 
 
+PREFILL_BLOCK_M = 128  # rows a tile: tokens x the G query heads of one KV head
+
+
+def tile_tokens(group: int, block_m: int = PREFILL_BLOCK_M) -> int:
+    """New tokens a tile of the prefill kernel holds for G = `group` query heads a KV head."""
+    return max(block_m, 16, triton.next_power_of_2(group)) // group
+
+
 def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor,
                            v: torch.Tensor, meta: AttentionMetadata, scale: float, *,
                            block_m: int, block_n: int, num_warps: int, num_stages: int,
@@ -315,7 +332,7 @@ def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch
     fmt = FMT_CODES[L.kv_dtype]
     unit = _unit(fmt)
     block_m = max(block_m, 16, triton.next_power_of_2(G))  # rows = tokens x G heads; tl.dot needs 16
-    tok_per_tile = block_m // G
+    tok_per_tile = tile_tokens(G, block_m)
     n_tiles = triton.cdiv(max_query_len, tok_per_tile)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -334,6 +351,7 @@ def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch
         stride_ot=out.stride(0), stride_oh=out.stride(1), stride_bt=meta.block_tables.stride(0),
         page_stride=L.block_bytes // unit, layer_off=layer * L.layer_bytes // unit,
         slot_stride=res.stride(0), res_layer_off=layer * res.stride(1),
+        tiles_ptr=meta.prefix_lens if meta.tiles is None else meta.tiles,
         stride_st=tables.stride(0), stage_page=page16, qk_scale=scale * LOG2E,
         V_OFF=L.v_data_offset // unit, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset,
         FMT=fmt, HAS_SCALE=fmt in (FMT_E4M3, FMT_E5M2, FMT_INT8), KVH=L.kv_heads, G=G,
@@ -342,6 +360,11 @@ def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch
         num_warps=num_warps, num_stages=num_stages)
     # a step that staged only some sequences runs two launches over disjoint rows, each kernel with
     # one page loop: the in-place loop's registers (250 for fp8, against 180) slowed the fp16 one
+    if meta.tiles is not None:  # a graph's fixed tile list (never staged)
+        if staged:
+            raise ValueError("a tile list's step reads its pages in place: no staged workspace")
+        paged_attention_kernel[(int(meta.tiles.shape[0]), 1, L.kv_heads)](**args, STAGED=0, TILES=True)
+        return out
     for mode in ((1,) if meta.stage.every else (1, 2)) if staged else (0,):
         paged_attention_kernel[(n_tiles, B, L.kv_heads)](**args, STAGED=mode)
     return out

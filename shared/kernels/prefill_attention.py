@@ -9,13 +9,13 @@ from __future__ import annotations
 import torch
 
 from kvmesh.kernels.backend import AttentionMetadata
-from kvmesh.kernels.paged_attention import launch_paged_attention
+from kvmesh.kernels.paged_attention import PREFILL_BLOCK_M, launch_paged_attention
 from kvmesh.kernels.prefix_stage import stage_prefix
 from kvmesh.kv.pool import KVCache
 
 
 def prefill_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      meta: AttentionMetadata, scale: float, *, block_m: int = 128, block_n: int = 64,
+                      meta: AttentionMetadata, scale: float, *, block_m: int = PREFILL_BLOCK_M, block_n: int = 64,
                       num_warps: int = 8, num_stages: int = 2, staging: bool = True,
                       out: torch.Tensor | None = None) -> torch.Tensor:
     """out [T, H, D] for q [T, H, D], k/v [T, KVH, D] (new tokens of every sequence, in order),

@@ -90,6 +90,8 @@ def build_step_plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
     extend: list[_Run] = []
     for i, p in enumerate(prefix):
         n = qsl[i + 1] - qsl[i]
+        if n == 0:  # a fixed batch's padding row (`engine/chunk_batch.py`)
+            continue
         if n == 1:
             dec.append(i)
         elif p == 0:

@@ -2,7 +2,8 @@
 
 attend: `decode_attention` when every sequence has one new token, else `prefill_attention`; a
 mixed step split by the metadata (`MixedSplit`) runs its decode rows through the first, the rest
-through the second.
+through the second; a prompt step's CUDA graph (`engine/chunk_batch.py`) is not split: its tile
+list (`AttentionMetadata.tiles`) sends every row, decode rows too, to the prefill kernel.
 write: `cache_write.write_blocks` quantizes completed blocks into their pages (-1 ids skipped),
 then `cache_write.copy_to_residual` copies the leftover rows to the residual slots in one launch (in
 that order: the block kernel reads residual rows that the copy may overwrite).
