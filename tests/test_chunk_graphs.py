@@ -123,10 +123,13 @@ def _replay_schedule(kv: str, backend_of, device: str, split_mixed: bool, tol: f
         for g, w in zip(dequantize_layer(graph_cache.layer_view(layer), used, kv),
                         dequantize_layer(eager_cache.layer_view(layer), used, kv)):
             assert (g - w).norm() <= 1e-2 * w.norm()
+    # past layer 0 a tail row comes from layers that read quantized pages: a code that rounds apart
+    # (the GPU's GEMMs sum a padded batch in another order) moves it, 9e-4 at most at int4
+    tail_tol = 1e-5 if device == "cpu" else 1e-2
     for i in range(SLOTS):
         n = done[i] % BS
-        torch.testing.assert_close(graph_cache.residual[i][..., :n, :], eager_cache.residual[i][..., :n, :],
-                                   rtol=1e-4, atol=1e-4)
+        got, want = graph_cache.residual[i][..., :n, :], eager_cache.residual[i][..., :n, :]
+        assert (got - want).norm() <= tail_tol * want.norm()
     return graphs, graph_cache
 
 

@@ -307,7 +307,8 @@ def test_gpu_ragged_graph_replays_equal_eager_steps(kv):
 def test_gpu_engine_graphs_equal_enforce_eager(kv, tmp_path):
     """The engine with graphs (the default on a GPU) against --enforce-eager over a tiny random HF
     Llama (confident argmaxes): 11 prompts at --max-num-seqs 8, so batches of 8 and 3 (padded to 4)
-    as requests finish and the queue refills: the same greedy tokens, and the graphs served the steps."""
+    as requests finish and the queue refills: the same greedy tokens, and the graphs served the steps
+    (the prompt steps too: the first 8 prompts in one, the last 3 joining running decodes)."""
     from test_engine_gpu import _run
     from test_engine_models import make_tiny_model, random_prompts
     make_tiny_model(tmp_path, "llama", seed=7)
@@ -321,6 +322,9 @@ def test_gpu_engine_graphs_equal_enforce_eager(kv, tmp_path):
         if not eager:  # every size captured at start at 512, and nothing longer was needed
             assert graphs.failed is None and graphs.replays > 20, graphs.failed
             assert graphs.captured == [(n, 512, False) for n in (1, 2, 4, 8)], graphs.captured
+            chunks = eng.runner.chunk_graphs  # the prompt steps: every bucket captured at start
+            assert chunks.failed is None and chunks.replays >= 2, chunks.failed
+            assert chunks.captured == list(chunks.buckets), chunks.captured
         del eng
         torch.cuda.empty_cache()
     assert runs[False] == runs[True]

@@ -6,7 +6,7 @@ the rest is ~225 Triton launches and ~300 torch ops, each with its Python around
 replays the step's kernels in one launch.
 
 One graph per token bucket (`token_buckets`: 256, 512, 1,024, 2,048, then every 2,048 up to
---max-num-batched-tokens), captured the first time a step needs it. A step pads up to its bucket
+--max-num-batched-tokens), all captured when the engine starts (`warm_up`). A step pads up to its bucket
 and to `max_seqs` sequences (`chunk_batch.py`): the padding rows cost the GPU their share of the
 dense layers, and the prefill kernel runs over a tile list of the real tiles only. Decode rows of a
 mixed step run in the prefill kernel (a tile each, pages read in place), which a graph can size;
@@ -65,6 +65,14 @@ class ChunkGraphs:
     def captured(self) -> list[int]:
         """The token buckets of the graphs held."""
         return sorted(self._graphs)
+
+    def warm_up(self) -> None:
+        """Captures every bucket now (a serving engine at start), so no prompt step stalls on a capture."""
+        if not self.capture:
+            return
+        for bucket in self.buckets:
+            if self.failed is None and bucket not in self._graphs:
+                self._capture(self._batch(bucket), bucket)
 
     def takes(self, seqs: list[SeqSlice], sample_rows: list[int], prompt_rows: list) -> bool:
         """Whether a graph serves the step: a prompt chunk in it, no prompt logprobs, within the

@@ -83,11 +83,13 @@ class ModelRunner:
                                    scratch_slot=num_residual_slots) if graphs else None
         if self.graphs is not None:
             self.graphs.warm_up()  # ~0.1 s a batch size (H200): no step stalls on a short capture
-        # and the steps with prompt chunks through graphs of their token bucket, captured as needed
+        # and the steps with prompt chunks through graphs of their token bucket
         self.chunk_graphs = ChunkGraphs(self.model, self.cache, self.backend, max_seqs=cfg.scheduler.max_num_seqs,
                                         max_tokens=cfg.scheduler.max_num_batched_tokens,
                                         max_context=cfg.max_seq_len_to_capture,
                                         scratch_slot=num_residual_slots) if graphs else None
+        if self.chunk_graphs is not None:
+            self.chunk_graphs.warm_up()
         # the C kernels (`cpu_native.py`) on the CPU: decode attention over the pool, greedy argmax
         self.native = load_native() if self.device.type == "cpu" else None
         if isinstance(self.backend, TorchBackend):
