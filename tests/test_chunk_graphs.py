@@ -38,8 +38,8 @@ def test_token_buckets():
 
 
 def test_chunk_batch_matches_the_per_step_write_plan():
-    """The fixed plan holds build_write_plan's entries in its order, then spares (page -1; copies to
-    the scratch slot); the tile list holds every sequence's tiles, the longest prefix first."""
+    """The fixed plan holds build_write_plan's entries in its order, then spares (page -1, residual
+    row -1); the tile list holds every sequence's tiles, the longest prefix first."""
     shape = ChunkShape(tokens=64, rows=6, table_width=8, block_size=BS, num_slots=5, scratch_slot=4, tile_tokens=8)
     batch = ChunkBatch(shape, torch.device("cpu"))
     seqs = [SeqSlice(15, 1, [7, 9], 2), SeqSlice(0, 40, [3, 1, 6], 0), SeqSlice(20, 20, [5, 8, 2], 1),
@@ -54,8 +54,8 @@ def test_chunk_batch_matches_the_per_step_write_plan():
     assert w.block_rows[:nb].tolist() == want.block_rows.tolist()
     assert w.block_ids.shape[0] == 64 // BS + 6
     assert w.residual_src[:m].tolist() == want.residual_src.tolist() and w.residual_src[m:].eq(5 * BS).all()
-    assert w.residual_dst[:m].tolist() == want.residual_dst.tolist()
-    assert (w.residual_dst[m:] // BS).eq(4).all()  # spares: the scratch slot
+    assert w.residual_dst[:m].tolist() == want.residual_dst.tolist() and w.residual_dst[m:].eq(-1).all()
+    assert w.residual_src.shape[0] == min(64, 6 * (BS - 1))
     assert meta.query_start_loc.tolist() == [0, 1, 41, 61, 62, 62, 62]
     assert meta.prefix_lens.tolist() == [15, 0, 20, 47, 0, 0] and meta.residual_slots.tolist() == [2, 0, 1, 3, 4, 4]
     assert batch.positions[:62].tolist() == [15] + list(range(40)) + list(range(20, 40)) + [47]
@@ -143,7 +143,7 @@ def small_buckets(monkeypatch):
 def test_fixed_buffers_match_per_step_metadata(kv, small_buckets):
     graphs, cache = _replay_schedule(kv, TorchBackend, "cpu", False, 1e-5)
     assert graphs.buckets == (16, 32, 64, 96)
-    assert cache.residual[SLOTS].abs().sum() > 0  # the spare copies wrote the scratch slot
+    assert cache.residual[SLOTS].abs().sum() == 0  # spare entries write nothing, not even the scratch slot
 
 
 @pytest.mark.parametrize("kv", ["fp32", "fp8_e4m3", "int4"])

@@ -3,13 +3,13 @@ reads (`chunk_graphs.py`), the way `decode_batch.py` holds a decode step's.
 
 A graph replays its kernels with the same pointers and grids, so the step is padded to its bucket:
 `tokens` rows (the padding rows compute garbage that nothing reads) and `rows` sequences (the
-padding sequences own no new token, no page, and the scratch residual slot). Every varying size
-becomes a capacity:
+padding sequences own no new token, no page, and the scratch residual slot, which nothing touches).
+Every varying size becomes a capacity:
 - the prefill kernel's tiles: a tile list (`AttentionMetadata.tiles`), a sequence's tiles in
   order, the sequences with the longest prefix first (their tiles take longest), spare entries -1;
 - the write plan (`metadata.build_write_plan`'s, entry for entry): completed blocks up to
-  tokens // bs + rows (spares: page -1, skipped), leftover rows up to `tokens` (spares: the first
-  new row copied into the scratch slot);
+  tokens // bs + rows (spares: page -1, skipped), leftover rows up to rows x (bs - 1) (spares:
+  residual row -1, skipped);
 - the rows that get logits: `rows` of them (spares: row 0).
 Decode rows (one new token) run in the same prefill kernel, each a tile of its own, reading its
 pages in place; no page is staged (a graph cannot size the workspace).
@@ -39,7 +39,7 @@ class ChunkShape:
     num_slots: int
     """Residual slots in the cache (the write plan's rows of S start after them)."""
     scratch_slot: int
-    """The residual slot the spare copies write into (owned by no sequence)."""
+    """The padding sequences' residual slot (owned by no sequence; nothing reads or writes it here)."""
     tile_tokens: int
     """New tokens a prefill tile holds (`paged_attention.tile_tokens`)."""
 
@@ -47,6 +47,11 @@ class ChunkShape:
     def blocks(self) -> int:
         """Completed-block capacity: a sequence completes at most its new tokens // bs + 1."""
         return self.tokens // self.block_size + self.rows
+
+    @property
+    def leftovers(self) -> int:
+        """Leftover-row capacity: a sequence leaves fewer than bs rows in its residual slot."""
+        return min(self.tokens, self.rows * (self.block_size - 1))
 
     @property
     def tiles(self) -> int:
@@ -60,9 +65,9 @@ class ChunkBatch:
     def __init__(self, shape: ChunkShape, device: torch.device) -> None:
         self.shape = shape
         t, n, w, bs, nb = shape.tokens, shape.rows, shape.table_width, shape.block_size, shape.blocks
-        # int64: ids [t] | positions [t] | residual src [t] | residual dst [t] | logit rows [n] |
-        # block ids [nb] | block rows [nb, bs]
-        self._sizes64 = (t, t, t, t, n, nb, nb * bs)
+        # int64: ids [t] | positions [t] | residual src | residual dst | logit rows [n] | block ids [nb] |
+        # block rows [nb, bs]
+        self._sizes64 = (t, t, shape.leftovers, shape.leftovers, n, nb, nb * bs)
         self._host64 = torch.zeros(sum(self._sizes64), dtype=torch.int64)
         # int32: query start [n + 1] | prefix lens [n] | residual slots [n] | tiles | block tables [n, w]
         self._sizes32 = (n + 1, n, n, shape.tiles, n * w)
@@ -128,7 +133,7 @@ class ChunkBatch:
         m = src.shape[0]
         res_src[:] = new_base
         res_src[:m] = src
-        res_dst[:] = s.scratch_slot * bs + np.arange(t) % bs
+        res_dst[:] = -1
         res_dst[:m] = r[seq[tail]] * bs + new_pos[tail] % bs
         # tiles: each sequence's in order, the longest prefixes first
         per = -(-lens // s.tile_tokens)  # [b]

@@ -109,7 +109,7 @@ class ChunkGraphs:
         return self.model.compute_logits(hidden[batch.logit_rows], upcast=False)  # [max_seqs, vocab]
 
     def _capture(self, batch: ChunkBatch, bucket: int) -> bool:
-        batch.fill([], [], [])  # padding only: warm-up and capture touch nothing but the scratch slot
+        batch.fill([], [], [])  # padding only: warm-up and capture write no page and no slot
         try:
             side = torch.cuda.Stream(self.cache.device)
             side.wait_stream(torch.cuda.current_stream())

@@ -327,18 +327,21 @@ def _residual_rows_kernel(res_ptr, k_ptr, v_ptr, src_ptr, dst_ptr, slot_stride, 
                           R, KVH: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, KVH_P: tl.constexpr,
                           D_P: tl.constexpr):
     """One program per leftover row: new row src - R of k and v [T, KVH, D] -> residual row dst (slot *
-    BS + offset) of one layer, every KV head, converted to the residual's dtype."""
+    BS + offset) of one layer, every KV head, converted to the residual's dtype; dst -1: a fixed
+    plan's spare entry, skipped."""
     m = tl.program_id(0)
-    h = tl.arange(0, KVH_P)[:, None]  # [KVH_P, 1]
-    c = tl.arange(0, D_P)[None, :]  # [1, D_P]
-    _copy_row(res_ptr, k_ptr, v_ptr, tl.load(src_ptr + m) - R, tl.load(dst_ptr + m), slot_stride, res_layer_off,
-              stride_kt, stride_vt, h, c, KVH, BS, D, mask=(h < KVH) & (c < D))
+    dst = tl.load(dst_ptr + m)
+    if dst >= 0:
+        h = tl.arange(0, KVH_P)[:, None]  # [KVH_P, 1]
+        c = tl.arange(0, D_P)[None, :]  # [1, D_P]
+        _copy_row(res_ptr, k_ptr, v_ptr, tl.load(src_ptr + m) - R, dst, slot_stride, res_layer_off,
+                  stride_kt, stride_vt, h, c, KVH, BS, D, mask=(h < KVH) & (c < D))
 
 
 def copy_to_residual(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
                      src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Leftover rows `src` of S -> residual rows `dst` (slot * bs + offset), full precision, in one
-    launch. Leftovers are new rows (>= num_slots * bs; `metadata.build_write_plan` and
+    """Leftover rows `src` of S -> residual rows `dst` (slot * bs + offset; -1 skipped), full
+    precision, in one launch. Leftovers are new rows (>= num_slots * bs; `metadata.build_write_plan` and
     `DecodeBatch` make them so): a residual row is either consumed by a completed block or left where
     it is, so no copy reads a row another copy writes. k, v: [T, KVH, D] with contiguous heads."""
     if src.numel() == 0:

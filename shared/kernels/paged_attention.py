@@ -108,8 +108,9 @@ def _dot(a, b, DOT: tl.constexpr):
 
 @triton.jit
 def _softmax_step(acc, m_i, l_i, q, kt, ks, vt, vs, valid, qk_scale, HAS_SCALE: tl.constexpr,
-                  DOT: tl.constexpr, LO_ROWS: tl.constexpr = False):
-    """One online-softmax step over a key tile. kt, vt: [N, D]; ks, vs: [N]; valid: [M, N]. LO_ROWS:
+                  DOT: tl.constexpr, LO_ROWS: tl.constexpr = False, MASKED: tl.constexpr = True):
+    """One online-softmax step over a key tile. kt, vt: [N, D]; ks, vs: [N]; valid: [M, N] (ignored,
+    not computed on, where MASKED is False: every key visible to every row). LO_ROWS:
     q's rows M/2.. repeat rows 0.. (so do their scores, max and sum) and their p is what p loses
     in DOT's precision, so one dot yields both parts (the caller adds the halves once at the end)."""
     s = _dot(q, tl.trans(kt), DOT)  # [M, N] fp32
@@ -117,7 +118,8 @@ def _softmax_step(acc, m_i, l_i, q, kt, ks, vt, vs, valid, qk_scale, HAS_SCALE: 
         s = s * (ks * qk_scale)[None, :]
     else:
         s = s * qk_scale
-    s = tl.where(valid, s, float("-inf"))
+    if MASKED:
+        s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))  # m_i starts finite, so no inf - inf
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s - m_new[:, None])  # [M, N]
@@ -190,6 +192,7 @@ def paged_attention_kernel(
     BLOCK_N: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr, STAGED: tl.constexpr,
     STAGE_V_OFF: tl.constexpr,  # KVH * BS * D
     TILES: tl.constexpr = False,  # grid (capacity, 1, KVH) over tiles_ptr
+    CAUSAL_SPLIT: tl.constexpr = False,  # the new tokens' keys before the tile's first token unmasked
 ):
     if TILES:
         entry = tl.load(tiles_ptr + tl.program_id(0))
@@ -250,7 +253,16 @@ def paged_attention_kernel(
                                           False, DOT)
         # 3. new tokens, causal
         last = tl.minimum(tok0 + TOK_PER_TILE, q_len)  # keys 0 .. last-1 are visible to some row
-        for j0 in range(0, last, BLOCK_N):
+        first_masked = 0
+        if CAUSAL_SPLIT:  # keys below the tile's first token are visible to every row: no masks
+            first_masked = tok0 // BLOCK_N * BLOCK_N
+            for j0 in range(0, first_masked, BLOCK_N):
+                kr = (q_start + j0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+                kt = tl.load(k_ptr + (kr * stride_kt + kvh * D)[:, None] + d[None, :]).to(DOT)
+                vt = tl.load(v_ptr + (kr * stride_vt + kvh * D)[:, None] + d[None, :]).to(DOT)
+                acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kt, kt, vt, vt, row_ok[:, None], qk_scale,
+                                              False, DOT, MASKED=False)
+        for j0 in range(first_masked, last, BLOCK_N):
             j = j0 + tl.arange(0, BLOCK_N)
             jm = j < last
             kr = (q_start + j).to(tl.int64)
@@ -317,7 +329,7 @@ def tile_tokens(group: int, block_m: int = PREFILL_BLOCK_M) -> int:
 def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor,
                            v: torch.Tensor, meta: AttentionMetadata, scale: float, *,
                            block_m: int, block_n: int, num_warps: int, num_stages: int,
-                           max_query_len: int, native_cvt: bool = False,
+                           max_query_len: int, native_cvt: bool = False, causal_split: bool = False,
                            workspace: torch.Tensor | None = None,
                            out: torch.Tensor | None = None) -> torch.Tensor:
     """Runs the prefill/extend kernel over every sequence; returns out [T, H, D], written into `out`
@@ -356,7 +368,7 @@ def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch
         V_OFF=L.v_data_offset // unit, KS_OFF=L.k_scale_offset, VS_OFF=L.v_scale_offset,
         FMT=fmt, HAS_SCALE=fmt in (FMT_E4M3, FMT_E5M2, FMT_INT8), KVH=L.kv_heads, G=G,
         BS=L.block_size, D=D, BLOCK_M=block_m, TOK_PER_TILE=tok_per_tile, BLOCK_N=block_n,
-        DOT=_dot_dtype(fmt, q, staged), NATIVE=native_cvt, STAGE_V_OFF=page16 // 2,
+        DOT=_dot_dtype(fmt, q, staged), NATIVE=native_cvt, STAGE_V_OFF=page16 // 2, CAUSAL_SPLIT=causal_split,
         num_warps=num_warps, num_stages=num_stages)
     # a step that staged only some sequences runs two launches over disjoint rows, each kernel with
     # one page loop: the in-place loop's registers (250 for fp8, against 180) slowed the fp16 one

@@ -17,7 +17,7 @@ from kvmesh.kv.pool import KVCache
 def prefill_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       meta: AttentionMetadata, scale: float, *, block_m: int = PREFILL_BLOCK_M, block_n: int = 64,
                       num_warps: int = 8, num_stages: int = 2, staging: bool = True,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, causal_split: bool = False) -> torch.Tensor:
     """out [T, H, D] for q [T, H, D], k/v [T, KVH, D] (new tokens of every sequence, in order),
     written into `out` when given. The prefix pages of `meta.stage` are dequantized into a workspace
     first (`staging=False` reads every page in place, for comparison)."""
@@ -30,4 +30,4 @@ def prefill_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tens
     return launch_paged_attention(cache, layer, q, k, v, meta, scale, block_m=block_m,
                                   block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                                   max_query_len=meta.max_query_len, workspace=workspace,
-                                  out=out)
+                                  out=out, causal_split=causal_split)
