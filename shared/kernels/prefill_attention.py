@@ -14,13 +14,25 @@ from kvmesh.kernels.prefix_stage import stage_prefix
 from kvmesh.kv.pool import KVCache
 
 
+# (warps, stages, causal split) by head_dim where measured: at SmolLM2's heads (9 over 3, D 64) 1.50x
+# the (8, 2, no split) launch on a step's 8 fresh prompts, 1.38x on 2,048-token chunks over 2,048
+# INT4 pages read in place (H200, benchmarks/prefill_sweep.py, 2026-12-03); elsewhere (8, 2, no
+# split), the launch benchmarks/kernels.py's prefill rows measured (D 128)
+TILE_LAUNCH = {64: (4, 3, True)}
+DEFAULT_LAUNCH = (8, 2, False)
+
+
 def prefill_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       meta: AttentionMetadata, scale: float, *, block_m: int = PREFILL_BLOCK_M, block_n: int = 64,
-                      num_warps: int = 8, num_stages: int = 2, staging: bool = True,
-                      out: torch.Tensor | None = None, causal_split: bool = False) -> torch.Tensor:
+                      num_warps: int | None = None, num_stages: int | None = None, staging: bool = True,
+                      out: torch.Tensor | None = None, causal_split: bool | None = None) -> torch.Tensor:
     """out [T, H, D] for q [T, H, D], k/v [T, KVH, D] (new tokens of every sequence, in order),
     written into `out` when given. The prefix pages of `meta.stage` are dequantized into a workspace
-    first (`staging=False` reads every page in place, for comparison)."""
+    first (`staging=False` reads every page in place, for comparison). `num_warps`, `num_stages`,
+    `causal_split` None: TILE_LAUNCH's for head_dim D."""
+    warps, stages, split = TILE_LAUNCH.get(q.shape[2], DEFAULT_LAUNCH)
+    num_warps, num_stages = num_warps or warps, num_stages or stages
+    causal_split = split if causal_split is None else causal_split
     workspace = stage_prefix(cache, layer, meta.stage) if staging and meta.stage is not None else None
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
