@@ -25,9 +25,9 @@ class SchedulerLimits:
     block_size: int
     enable_prefix_caching: bool
     batch_prefills: bool = False
-    """Decode steps run as CUDA graphs (a GPU): a prompt joining running decodes sends the whole step
-    down the eager path (~17x a graph step, SmolLM2 in `benchmarks/gpu_serving.py`), so admissions
-    wait to go in together (`_worth_a_step`)."""
+    """Decode steps run as CUDA graphs (a GPU): a prompt joining running decodes turns the step into a
+    prompt step (~5.5x a decode graph's time with prompt graphs, ~19x eager; SmolLM2, INT4 KV, in
+    `benchmarks/gpu_serving.py`), so admissions wait to go in together (`_worth_a_step`)."""
     prefill_wait_steps: int = 32
     """With batch_prefills, the most steps a waiting request is held back while others decode."""
     growth_reserve: bool = True
@@ -139,15 +139,15 @@ class Scheduler:
 
     def _worth_a_step(self, out: ScheduledBatch, budget: int) -> bool:
         """With batch_prefills: whether to admit waiting requests into this step now. Yes where nothing
-        decodes, where the step is eager anyway (a prompt chunk in it), where the oldest waiting
-        request has been held prefill_wait_steps, and where the pool and seats already take enough
-        waiting requests at once: running // 4 of them (at least one), or a full token budget. So a
-        lightly loaded engine admits at once, and a loaded one pays one eager step for a batch of
-        prompts instead of one a prompt. (An eager step costs E graph steps; holding k seats empty
-        costs k / running of a step, each step; with completions every G / running steps for G
-        tokens a request, the two balance at k ~ running * sqrt(2 E / G): 0.4-0.5 running at E
-        10-17, G 128. A quarter leaves room for shorter generations.) Counted without prefix hits
-        (they only need fewer pages)."""
+        decodes, where the step is a prompt step anyway (a prompt chunk in it), where the oldest
+        waiting request has been held prefill_wait_steps, and where the pool and seats already take
+        enough waiting requests at once: running // 4 of them (at least one), or a full token budget.
+        So a lightly loaded engine admits at once, and a loaded one pays one prompt step for a batch
+        of prompts instead of one a prompt. (A prompt step costs E decode steps; holding k seats
+        empty costs k / running of a step, each step; with completions every G / running steps for G
+        tokens a request, the two balance at k ~ running * sqrt(2 E / G): 0.3 running at E 5.5
+        (prompt graphs), 0.4-0.5 at E 10-17 (eager), G 128. A quarter leaves room for shorter
+        generations.) Counted without prefix hits (they only need fewer pages)."""
         if not self.limits.batch_prefills or not out.seqs or max(out.num_new) > 1:
             return True
         if self._held_steps >= self.limits.prefill_wait_steps:

@@ -321,9 +321,14 @@ def _check(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torc
 PREFILL_BLOCK_M = 128  # rows a tile: tokens x the G query heads of one KV head
 
 
+def tile_rows(group: int, block_m: int = PREFILL_BLOCK_M) -> int:
+    """Rows of a prefill tile (tokens x G = `group` heads; at least 16, tl.dot's least)."""
+    return max(block_m, 16, triton.next_power_of_2(group))
+
+
 def tile_tokens(group: int, block_m: int = PREFILL_BLOCK_M) -> int:
     """New tokens a tile of the prefill kernel holds for G = `group` query heads a KV head."""
-    return max(block_m, 16, triton.next_power_of_2(group)) // group
+    return tile_rows(group, block_m) // group
 
 
 def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor,
@@ -343,8 +348,8 @@ def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch
     B = meta.num_seqs
     fmt = FMT_CODES[L.kv_dtype]
     unit = _unit(fmt)
-    block_m = max(block_m, 16, triton.next_power_of_2(G))  # rows = tokens x G heads; tl.dot needs 16
-    tok_per_tile = tile_tokens(G, block_m)
+    block_m = tile_rows(G, block_m)
+    tok_per_tile = block_m // G
     n_tiles = triton.cdiv(max_query_len, tok_per_tile)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -370,13 +375,13 @@ def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch
         BS=L.block_size, D=D, BLOCK_M=block_m, TOK_PER_TILE=tok_per_tile, BLOCK_N=block_n,
         DOT=_dot_dtype(fmt, q, staged), NATIVE=native_cvt, STAGE_V_OFF=page16 // 2, CAUSAL_SPLIT=causal_split,
         num_warps=num_warps, num_stages=num_stages)
-    # a step that staged only some sequences runs two launches over disjoint rows, each kernel with
-    # one page loop: the in-place loop's registers (250 for fp8, against 180) slowed the fp16 one
     if meta.tiles is not None:  # a graph's fixed tile list (never staged)
         if staged:
             raise ValueError("a tile list's step reads its pages in place: no staged workspace")
         paged_attention_kernel[(int(meta.tiles.shape[0]), 1, L.kv_heads)](**args, STAGED=0, TILES=True)
         return out
+    # a step that staged only some sequences runs two launches over disjoint rows, each kernel with
+    # one page loop: the in-place loop's registers (250 for fp8, against 180) slowed the fp16 one
     for mode in ((1,) if meta.stage.every else (1, 2)) if staged else (0,):
         paged_attention_kernel[(n_tiles, B, L.kv_heads)](**args, STAGED=mode)
     return out

@@ -194,9 +194,8 @@ class _WriteSteps:
         keep = plan.block_ids >= 0
         ids = plan.block_ids[keep]
         blocks = _RowSource.of(plan.block_rows[keep].flatten(), num_slots, bs) if ids.numel() else None
-        src, dst = plan.residual_src, plan.residual_dst
-        if dst.numel() and bool((dst < 0).any()):  # a fixed plan's spare entries (-1)
-            src, dst = src[dst >= 0], dst[dst >= 0]
+        keep = plan.residual_dst >= 0  # a fixed plan's spare entries are -1
+        src, dst = plan.residual_src[keep], plan.residual_dst[keep]
         tail = _RowSource.of(src, num_slots, bs) if src.numel() else None
         return _WriteSteps(ids, blocks, tail, dst // bs, dst % bs)
 
