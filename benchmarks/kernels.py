@@ -32,11 +32,8 @@ def _make_importable() -> None:
     try:
         import kvmesh  # noqa: F401
     except ImportError:
-        shim = Path(tempfile.gettempdir()) / "kvmesh_shim"
-        shim.mkdir(exist_ok=True)
-        link = shim / "kvmesh"
-        if not link.exists():
-            link.symlink_to(Path(__file__).resolve().parents[1] / "shared")
+        shim = Path(tempfile.mkdtemp(prefix="kvmesh_shim_"))  # one a process: checkouts side by side
+        (shim / "kvmesh").symlink_to(Path(__file__).resolve().parents[1] / "shared")
         sys.path.insert(0, str(shim))
 
 

@@ -39,7 +39,7 @@ def test_token_buckets():
 
 def test_chunk_batch_matches_the_per_step_write_plan():
     """The fixed plan holds build_write_plan's entries in its order, then spares (page -1, residual
-    row -1); the tile list holds every sequence's tiles, the longest prefix first."""
+    row -1); the tile list holds every sequence's tiles, the most keys first."""
     shape = ChunkShape(tokens=64, rows=6, table_width=8, block_size=BS, num_slots=5, scratch_slot=4, tile_tokens=8)
     batch = ChunkBatch(shape, torch.device("cpu"))
     seqs = [SeqSlice(15, 1, [7, 9], 2), SeqSlice(0, 40, [3, 1, 6], 0), SeqSlice(20, 20, [5, 8, 2], 1),
@@ -62,7 +62,8 @@ def test_chunk_batch_matches_the_per_step_write_plan():
     assert batch.input_ids[:62].tolist() == [c for ch in chunks for c in ch]
     assert batch.logit_rows.tolist() == [0, 40, 60, 61, 0, 0]
     tiles = [(e >> 16, e & 0xFFFF) for e in meta.tiles.tolist() if e >= 0]
-    assert tiles == [(3, 0), (2, 0), (2, 1), (2, 2), (0, 0)] + [(1, i) for i in range(5)]
+    # keys of each tile's last row: (3, 0) 48, (1, 4) and (2, 2) 40, (2, 1) 36, (1, 3) 32, ...
+    assert tiles == [(3, 0), (1, 4), (2, 2), (2, 1), (1, 3), (2, 0), (1, 2), (0, 0), (1, 1), (1, 0)]
     assert meta.tiles.shape[0] == 64 // 8 + 6 and meta.max_query_len == 64
     batch.fill([[5]], [SeqSlice(3, 1, [4], 3)], [0])  # a smaller step: the rest is padding again
     assert meta.write.block_ids.eq(-1).all() and meta.residual_slots.tolist() == [3, 4, 4, 4, 4, 4]

@@ -5,8 +5,8 @@ A graph replays its kernels with the same pointers and grids, so the step is pad
 `tokens` rows (the padding rows compute garbage that nothing reads) and `rows` sequences (the
 padding sequences own no new token, no page, and the scratch residual slot, which nothing touches).
 Every varying size becomes a capacity:
-- the prefill kernel's tiles: a tile list (`AttentionMetadata.tiles`), a sequence's tiles in
-  order, the sequences with the longest prefix first (their tiles take longest), spare entries -1;
+- the prefill kernel's tiles: a tile list (`AttentionMetadata.tiles`), the heaviest tiles first
+  (`tile_order.py`), spare entries -1;
 - the write plan (`metadata.build_write_plan`'s, entry for entry): completed blocks up to
   tokens // bs + rows (spares: page -1, skipped), leftover rows up to rows x (bs - 1) (spares:
   residual row -1, skipped);
@@ -23,6 +23,7 @@ import torch
 
 from kvmesh.kernels.backend import AttentionMetadata, WritePlan
 from kvmesh.kernels.metadata import SeqSlice
+from kvmesh.kernels.tile_order import tile_list
 
 
 @dataclass(frozen=True)
@@ -135,13 +136,9 @@ class ChunkBatch:
         res_src[:m] = src
         res_dst[:] = -1
         res_dst[:m] = r[seq[tail]] * bs + new_pos[tail] % bs
-        # tiles: each sequence's in order, the longest prefixes first
-        per = -(-lens // s.tile_tokens)  # [b]
-        order = np.argsort(-p, kind="stable")
-        tile_seq = np.repeat(order, per[order])
-        tile_idx = np.arange(tile_seq.shape[0]) - np.repeat(np.cumsum(per[order]) - per[order], per[order])
+        work = tile_list(p, lens, s.tile_tokens)
         tiles[:] = -1
-        tiles[:tile_seq.shape[0]] = (tile_seq << 16) | tile_idx
+        tiles[:work.shape[0]] = work
         logit_rows[:] = 0
         logit_rows[:len(sample_rows)] = sample_rows
         self._dev64.copy_(self._host64, non_blocking=True)

@@ -191,17 +191,21 @@ def paged_attention_kernel(
     BS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, TOK_PER_TILE: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr, STAGED: tl.constexpr,
     STAGE_V_OFF: tl.constexpr,  # KVH * BS * D
-    TILES: tl.constexpr = False,  # grid (capacity, 1, KVH) over tiles_ptr
+    TILES: tl.constexpr = False,  # grid (capacity x KVH,) over tiles_ptr, an entry's KV heads adjacent
     CAUSAL_SPLIT: tl.constexpr = False,  # the new tokens' keys before the tile's first token unmasked
+    LAST_TILE_FIRST: tl.constexpr = False,  # grid mode: program 0 takes a sequence's last tile
 ):
     if TILES:
-        entry = tl.load(tiles_ptr + tl.program_id(0))
+        entry = tl.load(tiles_ptr + tl.program_id(0) // KVH)
         b = tl.maximum(entry, 0) >> 16
         tile = entry & 0xFFFF
+        kvh = tl.program_id(0) % KVH
     else:
         tile = tl.program_id(0)
+        if LAST_TILE_FIRST:  # the tiles with the most keys dispatched first
+            tile = tl.num_programs(0) - 1 - tile
         b = tl.program_id(1)
-    kvh = tl.program_id(2)
+        kvh = tl.program_id(2)
     q_start = tl.load(query_start_ptr + b)
     q_len = tl.load(query_start_ptr + b + 1) - q_start
     tok0 = tile * TOK_PER_TILE
@@ -335,12 +339,14 @@ def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch
                            v: torch.Tensor, meta: AttentionMetadata, scale: float, *,
                            block_m: int, block_n: int, num_warps: int, num_stages: int,
                            max_query_len: int, native_cvt: bool = False, causal_split: bool = False,
+                           last_tile_first: bool = False,
                            workspace: torch.Tensor | None = None,
                            out: torch.Tensor | None = None) -> torch.Tensor:
     """Runs the prefill/extend kernel over every sequence; returns out [T, H, D], written into `out`
     when given (its dtype is the output's; a view with contiguous channels will do), else in q's
     dtype. `workspace`: the staged pages of `meta.stage` (fp16 [P, 2, KVH, BS, D],
-    `prefix_stage.stage_prefix`), or None."""
+    `prefix_stage.stage_prefix`), or None. `last_tile_first`: the grid dispatches each sequence's
+    tiles last (most keys) first; a tile list runs in its own order."""
     _check(cache, layer, q, k, v, meta)
     L = cache.layout
     T, H, D = q.shape
@@ -378,10 +384,10 @@ def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch
     if meta.tiles is not None:  # a graph's fixed tile list (never staged)
         if staged:
             raise ValueError("a tile list's step reads its pages in place: no staged workspace")
-        paged_attention_kernel[(int(meta.tiles.shape[0]), 1, L.kv_heads)](**args, STAGED=0, TILES=True)
+        paged_attention_kernel[(int(meta.tiles.shape[0]) * L.kv_heads, 1, 1)](**args, STAGED=0, TILES=True)
         return out
     # a step that staged only some sequences runs two launches over disjoint rows, each kernel with
     # one page loop: the in-place loop's registers (250 for fp8, against 180) slowed the fp16 one
     for mode in ((1,) if meta.stage.every else (1, 2)) if staged else (0,):
-        paged_attention_kernel[(n_tiles, B, L.kv_heads)](**args, STAGED=mode)
+        paged_attention_kernel[(n_tiles, B, L.kv_heads)](**args, STAGED=mode, LAST_TILE_FIRST=last_tile_first)
     return out
