@@ -46,6 +46,7 @@ import kernels as kb  # benchmarks/kernels.py: kvmesh on the path without the in
 kb._make_importable()
 
 from kvmesh import LLM, SamplingParams  # noqa: E402
+from kvmesh.engine.outputs import OutputKind  # noqa: E402
 
 POLICIES = {  # name: (SchedulerLimits.batch_prefills, .growth_reserve)
     "batched": (True, True),  # the engine's default where decode steps run as CUDA graphs
@@ -92,7 +93,7 @@ def drive(eng, load: Load, params: list[SamplingParams], device: str, tag: str, 
     sync(device)
     t0 = time.perf_counter()
     for i, (p, sp) in enumerate(zip(load.prompts, params)):
-        eng.add_request(f"{tag}-{i}", p, sp)
+        eng.add_request(f"{tag}-{i}", p, sp, output_kind=OutputKind.DELTA)  # as the decode server streams
     if prof:
         prof.enable()
     done, first_token = 0, {}

@@ -8,6 +8,7 @@ import torch
 
 from kvmesh.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.outputs import OutputKind
 from kvmesh.engine.sampling_params import SamplingParams
 from test_engine_models import run_to_completion, hf_logits, make_tiny_model, random_prompts
 
@@ -182,3 +183,41 @@ def test_eos_ends_and_ignore_eos_and_min_tokens_hold_it_off(smollm2):
     o3 = run(eng, {"c": (prompt, SamplingParams(temperature=0.0, max_tokens=n + 6, min_tokens=n + 2))})["c"].outputs[0]
     assert len(o3.token_ids) >= n + 2 and not eos & set(o3.token_ids[:n + 2])
     assert o3.token_ids[:n - 1] == o.token_ids[:n - 1]
+
+
+def test_output_kinds_carry_the_same_completions(tiny):
+    # a stream of DELTA outputs adds up to the CUMULATIVE completion (tokens, text held back for a
+    # stop string, logprobs; prompt logprobs once); FINAL_ONLY reports once, at the end
+    model, _ = tiny
+    prompts = random_prompts(2, 10, 20, seed=9)
+    full = run(make(model), {"a": (prompts[0], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))})
+    stop = full["a"].outputs[0].text[9:12]
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop], logprobs=1,
+                             prompt_logprobs=1),
+              SamplingParams(temperature=1.0, seed=4, n=2, max_tokens=12, ignore_eos=True)]
+    seen = {}
+    for kind in OutputKind:
+        eng = make(model, max_num_batched_tokens=16)
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            eng.add_request(f"r{i}", p, sp, output_kind=kind)
+        seen[kind] = {"r0": [], "r1": []}
+        while eng.has_unfinished():
+            for o in eng.step():
+                seen[kind][o.request_id].append(o)
+    for rid in ("r0", "r1"):
+        cumulative, deltas, final = (seen[k][rid] for k in OutputKind)
+        want = cumulative[-1]
+        assert len(final) == 1 and final[0].finished and final[0].outputs == want.outputs
+        assert final[0].prompt_logprobs == want.prompt_logprobs
+        assert len(deltas) == len(cumulative) and deltas[-1].finished
+        for c in want.outputs:
+            parts = [d.outputs[c.index] for d in deltas]
+            assert [t for d in parts for t in d.token_ids] == c.token_ids
+            assert "".join(d.text for d in parts) == c.text
+            assert parts[-1].finish_reason == c.finish_reason
+            if c.logprobs is not None:
+                assert [lp for d in parts for lp in d.logprobs] == c.logprobs
+        lps = [d.prompt_logprobs for d in deltas]
+        assert lps[0] == want.prompt_logprobs and all(x is None for x in lps[1:])
+    assert seen[OutputKind.CUMULATIVE]["r0"][-1].outputs[0].finish_reason == "stop"
+    assert len(seen[OutputKind.CUMULATIVE]["r1"][-1].outputs) == 2

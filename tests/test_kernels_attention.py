@@ -10,18 +10,14 @@ Tolerance: relative L2 against the reference computed from the same (dequantized
 """
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from kvmesh.kernels.decode_attention import decode_attention, num_splits, resident_programs
 from kvmesh.kernels.splits import slot_cost
-from kvmesh.kernels.tile_order import tile_list
 from kvmesh.kernels.decode_direct import decode_direct
 from kvmesh.kernels.decode_direct import supports as decode_direct_supports
 from kvmesh.kernels.metadata import SeqSlice, StagePolicy, build_attention_metadata
-from kvmesh.kernels.paged_attention import PREFILL_BLOCK_M, tile_tokens
 from kvmesh.kernels.prefill_attention import prefill_attention
 from kvmesh.kernels.torch_ref import TorchBackend
 from kvmesh.kernels.triton_backend import TritonBackend
@@ -181,33 +177,6 @@ def test_prefill_multiple_tiles_causal(causal_split, last_tile_first):
                                  num_warps=4, num_stages=1, causal_split=causal_split,
                                  last_tile_first=last_tile_first)
     check("fp16", 4, 64, 16, [20, 0, 5], [11, 7, 27], attend=attend)
-
-
-def attend_over_tile_list(cache, layer, q, k, v, meta, scale, block_m=PREFILL_BLOCK_M, **kw):
-    """The prefill kernel over a prompt graph's tile list: heaviest first, 3 spare entries."""
-    G = q.shape[1] // cache.layout.kv_heads
-    entries = tile_list(meta.prefix_lens.cpu().numpy(), meta.query_start_loc.diff().cpu().numpy(),
-                        tile_tokens(G, block_m)).tolist() + [-1] * 3
-    listed = dataclasses.replace(meta, stage=None, tiles=torch.tensor(entries, dtype=torch.int32, device=q.device))
-    return prefill_attention(cache, layer, q, k, v, listed, scale, block_m=block_m, staging=False, **kw)
-
-
-def test_prefill_tile_list():
-    # decode rows and chunks over prefixes, a fresh chunk: tiles of 4 tokens, KV heads adjacent
-    check("int8", 4, 64, 16, [20, 0, 35], [1, 13, 6],
-          attend=lambda *a: attend_over_tile_list(*a, block_m=16, block_n=16, num_warps=4, num_stages=1))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kv,gqa,head_dim,kv_heads", [("int4", 3, 64, 3), ("fp16", 3, 64, 3),
-                                                      ("fp8_e4m3", 4, 128, 8), ("int8", 4, 128, 8)])
-def test_gpu_prefill_orders(kv, gqa, head_dim, kv_heads):
-    # a prompt graph's mix at SmolLM2's and Llama-3-8B's heads: decode rows over long prefixes,
-    # chunks over prefixes, fresh prompts; the tile list heaviest first, the grid's tiles last first
-    lens, new = [1000, 3000, 0, 2049, 700, 0, 17], [1, 300, 1500, 1, 40, 777, 1]
-    kw = dict(kv_heads=kv_heads, device="cuda", model_dtype=torch.float16)
-    check(kv, gqa, head_dim, 16, lens, new, attend=attend_over_tile_list, **kw)
-    check(kv, gqa, head_dim, 16, lens, new, attend=lambda *a: prefill_attention(*a, last_tile_first=True), **kw)
 
 
 @pytest.mark.parametrize("kv,new", [("fp16", [1, 1, 9, 16]), ("int8", [9, 1, 20, 1]),

@@ -17,7 +17,7 @@ def _row(**kw) -> SampleRow:
     out = kw.pop("out", [])
     gen = kw.pop("generator", None)
     banned = kw.pop("banned", ())
-    return SampleRow(SamplingParams(**kw), prompt, out, gen, banned)
+    return SampleRow(SamplingParams(**kw), prompt + out, len(prompt), gen, banned)
 
 
 @pytest.mark.parametrize("field,value", [

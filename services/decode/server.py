@@ -26,6 +26,7 @@ from opentelemetry import trace
 
 from kvmesh.block_transfer import BlockTransfer
 from kvmesh.decode.config import DecodeConfig
+from kvmesh.engine.outputs import OutputKind
 from kvmesh.kv.layout import BlockLayout
 from kvmesh.telemetry import Metrics, server_span
 from kvmesh.wire import convert
@@ -112,23 +113,21 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             span.set_attribute("kvmesh.missing_blocks", pulled.missing)
             resume = convert.resume_from_prefill(request.prefilled, params.logprobs is not None) if resuming else None
 
-            # What the caller already has: the prefill reply's first token when resuming.
-            if resuming:
-                sent_tokens, sent_text = len(resume.output_token_ids), request.prefilled.first_text
-            else:
-                sent_tokens, sent_text = 0, ""
+            # What the caller already has: the prefill reply's first token when resuming (the
+            # engine's DELTA outputs start after it).
+            sent_tokens = len(resume.output_token_ids) if resuming else 0
             last_token_at = None
             final = None
             try:
                 async with contextlib.aclosing(self.engine.generate(
                         rid, prompt, params, cache_salt=request.cache_salt, export_kv=True,
-                        resume=resume)) as stream:
+                        resume=resume, output_kind=OutputKind.DELTA)) as stream:
                     async for out in stream:
                         final = out
                         if getattr(out, "error", None):
                             await context.abort(grpc.StatusCode.INTERNAL, f"request {rid} failed: {out.error}")
                         comp = out.outputs[0]
-                        new_ids = comp.token_ids[sent_tokens:]
+                        new_ids = comp.token_ids
                         if not new_ids and not comp.finish_reason:
                             continue
                         now = time.perf_counter()
@@ -139,14 +138,14 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                             self.metrics.inter_token_latency_seconds.observe((now - last_token_at) / len(new_ids))
                         last_token_at = now
                         chunk = pb.GenerateChunk(
-                            token_ids=new_ids, text=_text_delta(sent_text, comp.text),
-                            logprobs=convert.logprobs_to_proto((comp.logprobs or [])[sent_tokens:]),
+                            token_ids=new_ids, text=comp.text,
+                            logprobs=convert.logprobs_to_proto(comp.logprobs or []),
                             finish_reason=comp.finish_reason or "",
                             num_prompt_tokens=len(prompt),
                             num_cached_tokens=self._cached_tokens(request, out))
                         if sent_tokens == 0:
                             chunk.prompt_logprobs.extend(convert.prompt_logprobs_to_proto(out.prompt_logprobs))
-                        sent_tokens, sent_text = len(comp.token_ids), comp.text
+                        sent_tokens += len(new_ids)
                         yield chunk
             except ValueError as e:  # bad prompt/params for this engine (e.g. too long for --max-model-len)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -176,11 +175,6 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         p = request.prefilled
         return pb.GenerateChunk(finish_reason=p.finish_reason, num_prompt_tokens=len(request.prompt_token_ids),
                                 num_cached_tokens=p.num_cached_tokens)
-
-
-def _text_delta(sent: str, text: str) -> str:
-    """The new part of the cumulative detokenized `text` (it only grows past what was sent)."""
-    return text[len(sent):]
 
 
 class DecodeWorker(Worker):

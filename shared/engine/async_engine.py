@@ -13,7 +13,7 @@ import threading
 from typing import AsyncIterator, Callable, Optional
 
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.outputs import ExportedBlock, RequestOutput, ResumeState
+from kvmesh.engine.outputs import ExportedBlock, OutputKind, RequestOutput, ResumeState
 from kvmesh.engine.sampling_params import SamplingParams
 
 _IDLE_WAIT_S = 0.05  # how long the idle thread sleeps between checks for commands
@@ -105,7 +105,8 @@ class AsyncEngine:
     # ---- public ----
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        cache_salt: str = "", export_kv: bool = False, hand_off: bool = False,
-                       resume: Optional[ResumeState] = None) -> AsyncIterator[RequestOutput]:
+                       resume: Optional[ResumeState] = None,
+                       output_kind: OutputKind = OutputKind.CUMULATIVE) -> AsyncIterator[RequestOutput]:
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already running")
         q: asyncio.Queue = asyncio.Queue()
@@ -114,7 +115,7 @@ class AsyncEngine:
         try:
             await self._call(lambda: self.engine.add_request(
                 request_id, prompt_token_ids, params, cache_salt=cache_salt, export_kv=export_kv,
-                hand_off=hand_off, resume=resume))
+                hand_off=hand_off, resume=resume, output_kind=output_kind))
             added = True
             while not finished:
                 item = await q.get()

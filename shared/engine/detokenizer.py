@@ -72,8 +72,12 @@ class Detokenizer:
         self.text = self.text[:i + len(s)] if self._include_stop else self.text[:i]
         return s
 
-    def visible_text(self, finished: bool) -> str:
-        """Text safe to show: while running, a possible partial stop string is held back."""
+    def visible_len(self, finished: bool) -> int:
+        """Characters of `text` safe to show: while running, a possible partial stop string is held
+        back. It only grows: a stop string found later starts past what was shown."""
         if finished or not self._hold:
-            return self.text
-        return self.text[:max(0, len(self.text) - self._hold)]
+            return len(self.text)
+        return max(0, len(self.text) - self._hold)
+
+    def visible_text(self, finished: bool) -> str:
+        return self.text[:self.visible_len(finished)]

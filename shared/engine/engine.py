@@ -13,7 +13,7 @@ import torch
 
 from kvmesh.config import EngineConfig
 from kvmesh.engine.detokenizer import Detokenizer
-from kvmesh.engine.outputs import ExportedBlock, KVExport, RequestOutput, ResumeState, TokenLogprob
+from kvmesh.engine.outputs import ExportedBlock, KVExport, OutputKind, RequestOutput, ResumeState, TokenLogprob
 from kvmesh.engine.runner import ModelRunner, StepRows
 from kvmesh.engine.sampler import SampleRow, Sampler, prompt_logprobs
 from kvmesh.engine.sampling_params import SamplingParams
@@ -63,7 +63,10 @@ class LLMEngine:
     # ---- requests ----
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     cache_salt: str = "", export_kv: bool = False, hand_off: bool = False,
-                    resume: Optional[ResumeState] = None) -> None:
+                    resume: Optional[ResumeState] = None,
+                    output_kind: OutputKind = OutputKind.CUMULATIVE) -> None:
+        """Queues a request; `step` reports its progress as `output_kind` says (a stream: DELTA; the
+        caller of a resume already has its tokens, so DELTA outputs start after them)."""
         params.validate()
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
@@ -102,7 +105,7 @@ class LLMEngine:
                                  f"size {bs}, got {resume.tail_tokens}")
         ctx = self.hash_context(cache_salt)
         req = Request(request_id, prompt, params, max_tokens, bs, ctx.seed(), cache_salt=cache_salt,
-                      export_kv=export_kv, hand_off=hand_off, resume=resume)
+                      export_kv=export_kv, hand_off=hand_off, resume=resume, output_kind=output_kind)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
         seq = self._new_seq(req, 0)
@@ -113,6 +116,7 @@ class LLMEngine:
             if seq.logprobs is not None and resume.output_logprobs:
                 seq.logprobs.extend(resume.output_logprobs)
             seq.resume_tail = (resume.tail_tokens, resume.tail)
+            seq.sent_tokens, seq.sent_chars = seq.num_output_tokens, seq.detok.visible_len(False)
         req.seqs.append(seq)
         self._requests[request_id] = req
         self.scheduler.add(seq)
@@ -201,7 +205,8 @@ class LLMEngine:
         progressed: dict[str, Request] = {}
         if sample_seqs:
             self._sample(sample_seqs, sample_logits, progressed)
-        return [self._output(r) for r in progressed.values()]
+        return [self._output(r) for r in progressed.values()
+                if r.output_kind is not OutputKind.FINAL_ONLY or r.finished]
 
     def _plan(self, batch: ScheduledBatch):
         sample_seqs: list[Sequence] = []
@@ -281,7 +286,7 @@ class LLMEngine:
         banned: tuple[int, ...] = ()
         if seq.num_output_tokens < p.min_tokens:
             banned = tuple(p.stop_token_ids or ()) + (() if p.ignore_eos else tuple(self._eos))
-        return SampleRow(p, seq.request.prompt_token_ids, seq.output_token_ids, seq.generator, banned)
+        return SampleRow(p, seq.token_ids, seq.num_prompt_tokens, seq.generator, banned)
 
     def _append(self, seq: Sequence, tok: int, lp: Optional[TokenLogprob]) -> None:
         seq.append_tokens([tok])
@@ -334,9 +339,13 @@ class LLMEngine:
 
     def _output(self, req: Request) -> RequestOutput:
         finished = req.finished  # a scan of the request's sequences: once (every request, every step)
+        delta = req.output_kind is OutputKind.DELTA
+        prompt_lps = req.prompt_logprobs
+        if prompt_lps is not None and delta:  # complete by the first sample: sent with it, once
+            prompt_lps, req.prompt_logprobs_sent = (None if req.prompt_logprobs_sent else prompt_lps), True
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            outputs=[s.completion() for s in req.seqs], finished=finished,
+            outputs=[s.completion(delta) for s in req.seqs], finished=finished,
             num_cached_tokens=req.num_cached_tokens,
-            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
+            prompt_logprobs=list(prompt_lps) if prompt_lps is not None else None,
             kv_export=req.kv_export if finished else None)

@@ -11,7 +11,7 @@ from typing import Optional, Sequence, Union
 
 from kvmesh.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.outputs import RequestOutput
+from kvmesh.engine.outputs import OutputKind, RequestOutput
 from kvmesh.engine.sampling_params import SamplingParams
 
 Prompts = Union[str, Sequence[str], Sequence[Sequence[int]]]
@@ -81,7 +81,7 @@ class LLM:
         added: list[str] = []
         try:
             for rid, p, sp in zip(rids, ids, plist):
-                eng.add_request(rid, p, sp)
+                eng.add_request(rid, p, sp, output_kind=OutputKind.FINAL_ONLY)
                 added.append(rid)
             final: dict[str, RequestOutput] = {}
             while eng.has_unfinished():

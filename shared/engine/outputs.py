@@ -1,8 +1,21 @@
 """What the engine hands back: per-step request outputs, logprobs, and KV exports (no torch)."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Optional
+
+
+class OutputKind(enum.Enum):
+    """How much of a request each `RequestOutput` carries (`LLMEngine.add_request`)."""
+
+    CUMULATIVE = "cumulative"
+    """Everything so far, every step: each output copies the whole completion (O(length) a step)."""
+    DELTA = "delta"
+    """Only what is new since the request's last output: tokens, text, logprobs; prompt logprobs in
+    the first output. A stream's cost a step stays flat as completions grow."""
+    FINAL_ONLY = "final_only"
+    """Nothing until the request finishes, then the cumulative output."""
 
 
 @dataclass

@@ -20,11 +20,17 @@ class SampleRow:
     """One row of logits to sample from, and what shapes its distribution."""
 
     params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    token_ids: list[int]
+    """The sequence's prompt then output tokens: its own list, read here, never copied a step (a
+    slice of the output each step would cost every sequence O(its length) a token)."""
+    num_prompt_tokens: int
     generator: Optional[torch.Generator]
     banned_token_ids: tuple[int, ...] = ()
     """Masked to -inf (EOS and stop ids while output is shorter than min_tokens)."""
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
 
 @dataclass
@@ -44,12 +50,12 @@ def apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
     V = logits.shape[-1]
     dev = logits.device
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(row.prompt_token_ids + row.output_token_ids, dtype=torch.long, device=dev)
+        seen = torch.tensor(row.token_ids, dtype=torch.long, device=dev)
         seen = seen.unique()
         vals = logits[seen]
         logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and row.output_token_ids:
-        out = torch.tensor(row.output_token_ids, dtype=torch.long, device=dev)
+    if (p.presence_penalty or p.frequency_penalty) and row.num_output_tokens:
+        out = torch.tensor(row.token_ids[row.num_prompt_tokens:], dtype=torch.long, device=dev)
         counts = torch.bincount(out, minlength=V).to(logits.dtype)  # [V]
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
@@ -146,7 +152,7 @@ class Sampler:
                 continue
             probs = _filter(logits[i], r.params)
             if r.generator is not None:
-                gen = draw_generator(r.generator, len(r.output_token_ids))
+                gen = draw_generator(r.generator, r.num_output_tokens)
             else:
                 gen = self.generator
             chosen[i] = torch.multinomial(probs, 1, generator=gen)[0]

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from kvmesh.engine.detokenizer import Detokenizer
-from kvmesh.engine.outputs import CompletionOutput, KVExport, ResumeState, TokenLogprob
+from kvmesh.engine.outputs import CompletionOutput, KVExport, OutputKind, ResumeState, TokenLogprob
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.hashing import hash_block
 
@@ -47,6 +47,9 @@ class Sequence:
         self.num_preemptions = 0
         self.resume_tail: Optional[tuple[int, bytes]] = None
         """(tokens, bytes) to load into the residual slot when a resumed sequence starts."""
+        self.sent_tokens = 0
+        self.sent_chars = 0
+        """Output tokens and visible characters a DELTA request's outputs have carried."""
         self.block_hashes: list[bytes] = []
         """Chained hashes of every full block of token_ids (computed or not)."""
         self._extend_hashes()
@@ -88,13 +91,19 @@ class Sequence:
         """Still computing tokens it already knows (prompt, or outputs after a recompute)."""
         return self.num_computed_tokens < self.num_tokens - 1
 
-    def completion(self) -> CompletionOutput:
+    def completion(self, delta: bool = False) -> CompletionOutput:
+        """The completion so far, or (delta) only what is new since the last delta."""
         finished = self.finish_reason is not None
-        return CompletionOutput(
-            index=self.index, text=self.detok.visible_text(finished),
-            token_ids=self.output_token_ids,  # a slice: a list of its own
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+        text_end = self.detok.visible_len(finished)
+        tokens, chars = (self.sent_tokens, self.sent_chars) if delta else (0, 0)
+        out = CompletionOutput(
+            index=self.index, text=self.detok.text[chars:text_end],
+            token_ids=self.token_ids[self.num_prompt_tokens + tokens:],  # a slice: a list of its own
+            logprobs=self.logprobs[tokens:] if self.logprobs is not None else None,
             finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+        if delta:
+            self.sent_tokens, self.sent_chars = self.num_output_tokens, text_end
+        return out
 
 
 @dataclass
@@ -122,6 +131,8 @@ class Request:
     kv_export: Optional[KVExport] = None
     reserved_slots: list[int] = field(default_factory=list)
     """Residual slots held for the n - 1 completions forked after prefill."""
+    output_kind: OutputKind = OutputKind.CUMULATIVE
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
