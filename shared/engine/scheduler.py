@@ -26,7 +26,7 @@ class SchedulerLimits:
     enable_prefix_caching: bool
     batch_prefills: bool = False
     """Decode steps run as CUDA graphs (a GPU): a prompt joining running decodes turns the step into a
-    prompt step (~5.5x a decode graph's time with prompt graphs, ~19x eager; SmolLM2, INT4 KV, in
+    prompt step (~4.7x a decode graph's time with prompt graphs, ~19x eager; SmolLM2, INT4 KV, in
     `benchmarks/gpu_serving.py`), so admissions wait to go in together (`_worth_a_step`)."""
     prefill_wait_steps: int = 32
     """With batch_prefills, the most steps a waiting request is held back while others decode."""
