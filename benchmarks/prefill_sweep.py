@@ -3,7 +3,7 @@ warps, stages, causal split) variant timed in one run (CUDA graph of 10 calls, C
 benchmarks/kernels.py times), each checked against the default variant's output; then, at the
 launch the kernel uses for the shape, the order its tiles are dispatched in:
 
-    python3 benchmarks/prefill_sweep.py [--reps 20] [--shapes smollm2,llama3-8b] [--kv int4]
+    python3 benchmarks/prefill_sweep.py [--reps 20] [--shapes smollm2,llama3-8b] [--kv int4] [--orders-only]
 
 Cases: a serving step's prompts (8 fresh prompts of 256-1,792 tokens, 8,192 in all: what a prompt
 step of `gpu_serving.py` holds), 4 chunks of 2,048 over a 2,048-token prefix of `--kv` pages read
@@ -75,11 +75,33 @@ def orders(meta, prompts: list[int], prefixes: list[int], tile_tokens: int) -> d
             "tile list, heaviest first": (listed(heaviest), False)}
 
 
+def variants_table(run, reps: int, title: str, name: str) -> None:
+    """Every variant of VARIANTS timed against DEFAULT (µs, ratio, output distance)."""
+    ref = run(*DEFAULT).float()
+    base = kb.time_ms(lambda: run(*DEFAULT), reps)
+    print(f"\n{name}, {title}: default {DEFAULT} {base * 1e3:.1f} µs", flush=True)
+    print("| BLOCK_M | BLOCK_N | warps | stages | causal split | µs | default ÷ this | rel. L2 vs default |")
+    print("|---|---|---|---|---|---|---|---|")
+    results = []
+    for var in VARIANTS:
+        try:
+            err = ((run(*var).float() - ref).norm() / ref.norm()).item()
+            t = kb.time_ms(lambda: run(*var), reps)
+        except Exception as e:  # a variant that does not fit (shared memory, registers)
+            print(f"| {' | '.join(map(str, var))} | failed: {type(e).__name__} | | |", flush=True)
+            continue
+        results.append((t, var))
+        print(f"| {' | '.join(map(str, var))} | {t * 1e3:.1f} | {base / t:.3f} | {err:.1e} |", flush=True)
+    t, var = min(results)
+    print(f"best: {var} {t * 1e3:.1f} µs, {base / t:.3f}x the default", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--shapes", default="smollm2,llama3-8b")
     ap.add_argument("--kv", default="int4", help="the cached pages' KV dtype")
+    ap.add_argument("--orders-only", action="store_true", help="only the orders table, at the launch in use")
     a = ap.parse_args()
     torch.set_grad_enabled(False)
     rng = random.Random(0)
@@ -99,26 +121,11 @@ def main() -> None:
             def run(bm, bn, w, s, split, m=meta, last=False):
                 return prefill_attention(cache, 0, q, k, v, m, scale, block_m=bm, block_n=bn, num_warps=w,
                                          num_stages=s, staging=False, causal_split=split, last_tile_first=last)
-            ref = run(*DEFAULT).float()
-            base = kb.time_ms(lambda: run(*DEFAULT), a.reps)
-            print(f"\n{name}, {title}: default {DEFAULT} {base * 1e3:.1f} µs", flush=True)
-            print("| BLOCK_M | BLOCK_N | warps | stages | causal split | µs | default ÷ this | rel. L2 vs default |")
-            print("|---|---|---|---|---|---|---|---|")
-            results = []
-            for var in VARIANTS:
-                try:
-                    err = ((run(*var).float() - ref).norm() / ref.norm()).item()
-                    t = kb.time_ms(lambda: run(*var), a.reps)
-                except Exception as e:  # a variant that does not fit (shared memory, registers)
-                    print(f"| {' | '.join(map(str, var))} | failed: {type(e).__name__} | | |", flush=True)
-                    continue
-                results.append((t, var))
-                print(f"| {' | '.join(map(str, var))} | {t * 1e3:.1f} | {base / t:.3f} | {err:.1e} |", flush=True)
-            t, var = min(results)
-            print(f"best: {var} {t * 1e3:.1f} µs, {base / t:.3f}x the default", flush=True)
+            if not a.orders_only:
+                variants_table(run, a.reps, title, name)
             warps, stages, split = TILE_LAUNCH.get(shape[2], DEFAULT_LAUNCH)
             launch = (128, 64, warps, stages, split)
-            print(f"\norders at the launch in use {launch}:")
+            print(f"\n{name}, {title}: orders at the launch in use {launch}:")
             print("| order | µs | first tile first ÷ this | rel. L2 vs first tile first |")
             print("|---|---|---|---|")
             first = kb.time_ms(lambda: run(*launch), a.reps)
