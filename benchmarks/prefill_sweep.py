@@ -9,8 +9,8 @@ Cases: a serving step's prompts (8 fresh prompts of 256-1,792 tokens, 8,192 in a
 step of `gpu_serving.py` holds), 4 chunks of 2,048 over a 2,048-token prefix of `--kv` pages read
 in place (a prompt graph stages no page), and a serving mix (62 decode rows over 256-2,048 cached
 tokens, then fresh prompts to 8,192 rows). Prints one table per case: µs and the ratio to the default.
-Orders: the eager grid (a sequence's tiles first to last, or last first) and a prompt graph's tile
-list (sequences by prefix, the old order, or the heaviest tiles first, `tile_order.py`)."""
+Orders: the eager grid (a sequence's tiles first to last) and a prompt graph's tile list (sequences
+by prefix, the old order, or the heaviest tiles first, `tile_order.py`)."""
 from __future__ import annotations
 
 import argparse
@@ -63,16 +63,15 @@ def case(shape: tuple[int, int, int], prompts: list[int], prefixes: list[int], k
 
 
 def orders(meta, prompts: list[int], prefixes: list[int], tile_tokens: int) -> dict:
-    """name -> (metadata, last_tile_first) for each dispatch order of the same tiles."""
+    """name -> metadata for each dispatch order of the same tiles."""
     p, n = np.array(prefixes) // BS * BS, np.array(prompts)
     heaviest = tile_list(p, n, tile_tokens)
     by_prefix = np.concatenate([(b << 16) | np.arange(-(-n[b] // tile_tokens)) for b in np.argsort(-p, kind="stable")])
 
     def listed(entries):
         return dataclasses.replace(meta, tiles=torch.tensor(entries, dtype=torch.int32, device="cuda"))
-    return {"grid, first tile first": (meta, False), "grid, last tile first": (meta, True),
-            "tile list, longest prefix first": (listed(by_prefix), False),
-            "tile list, heaviest first": (listed(heaviest), False)}
+    return {"grid, first tile first": meta, "tile list, longest prefix first": listed(by_prefix),
+            "tile list, heaviest first": listed(heaviest)}
 
 
 def variants_table(run, reps: int, title: str, name: str) -> None:
@@ -118,9 +117,9 @@ def main() -> None:
             cache, meta, q, k, v = case(shape, prompts, prefixes, a.kv)
             scale = shape[2] ** -0.5
 
-            def run(bm, bn, w, s, split, m=meta, last=False):
+            def run(bm, bn, w, s, split, m=meta):
                 return prefill_attention(cache, 0, q, k, v, m, scale, block_m=bm, block_n=bn, num_warps=w,
-                                         num_stages=s, staging=False, causal_split=split, last_tile_first=last)
+                                         num_stages=s, staging=False, causal_split=split)
             if not a.orders_only:
                 variants_table(run, a.reps, title, name)
             warps, stages, split = TILE_LAUNCH.get(shape[2], DEFAULT_LAUNCH)
@@ -131,9 +130,9 @@ def main() -> None:
             first = kb.time_ms(lambda: run(*launch), a.reps)
             ref = run(*launch).float()
             tok = tile_tokens(shape[0] // shape[1], 128)
-            for label, (m, last) in orders(meta, prompts, prefixes, tok).items():
-                err = ((run(*launch, m=m, last=last).float() - ref).norm() / ref.norm()).item()
-                t = kb.time_ms(lambda: run(*launch, m=m, last=last), a.reps)
+            for label, m in orders(meta, prompts, prefixes, tok).items():
+                err = ((run(*launch, m=m).float() - ref).norm() / ref.norm()).item()
+                t = kb.time_ms(lambda: run(*launch, m=m), a.reps)
                 print(f"| {label} | {t * 1e3:.1f} | {first / t:.3f} | {err:.1e} |", flush=True)
             del cache
             torch.cuda.empty_cache()

@@ -166,16 +166,14 @@ def test_decode_split_codes_match_torch(kv, gqa, head_dim, bs):
         check(kv, gqa, head_dim, bs, [0, bs - 3, 2 * bs, 3 * bs + 5], [1, 1, 1, 1], attend=attend)
 
 
-@pytest.mark.parametrize("causal_split,last_tile_first", [(False, False), (True, False), (True, True)])
-def test_prefill_multiple_tiles_causal(causal_split, last_tile_first):
+@pytest.mark.parametrize("causal_split", [False, True])
+def test_prefill_multiple_tiles_causal(causal_split):
     # tiles of 16 rows = 4 tokens x 4 heads: the causal mask crosses tile edges; with the causal split
     # the keys of 8-token key tiles wholly before a tile's first token go unmasked (a 27-token chunk:
-    # tiles from token 8 on have such tiles); last_tile_first: program 0 takes the 7th tile, which the
-    # 11- and 7-token chunks do not have
+    # tiles from token 8 on have such tiles)
     def attend(cache, layer, q, k, v, meta, scale):
         return prefill_attention(cache, layer, q, k, v, meta, scale, block_m=16, block_n=16 // (1 + causal_split),
-                                 num_warps=4, num_stages=1, causal_split=causal_split,
-                                 last_tile_first=last_tile_first)
+                                 num_warps=4, num_stages=1, causal_split=causal_split)
     check("fp16", 4, 64, 16, [20, 0, 5], [11, 7, 27], attend=attend)
 
 

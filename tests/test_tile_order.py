@@ -1,5 +1,5 @@
 """The prefill kernel's tile list for CUDA graphs: every tile once, the most keys first; the kernel
-over such a list (and the eager grid's last-tile-first order) against torch."""
+over such a list against torch."""
 import dataclasses
 
 import numpy as np
@@ -54,10 +54,10 @@ def test_prefill_tile_list():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv,gqa,head_dim,kv_heads", [("int4", 3, 64, 3), ("fp16", 3, 64, 3),
                                                       ("fp8_e4m3", 4, 128, 8), ("int8", 4, 128, 8)])
-def test_gpu_prefill_orders(kv, gqa, head_dim, kv_heads):
+def test_gpu_prefill_tile_list(kv, gqa, head_dim, kv_heads):
     # a prompt graph's mix at SmolLM2's and Llama-3-8B's heads: decode rows over long prefixes,
-    # chunks over prefixes, fresh prompts; the tile list heaviest first, the grid's tiles last first
+    # chunks over prefixes, fresh prompts; the tile list heaviest first, and the eager grid
     lens, new = [1000, 3000, 0, 2049, 700, 0, 17], [1, 300, 1500, 1, 40, 777, 1]
     kw = dict(kv_heads=kv_heads, device="cuda", model_dtype=torch.float16)
     check(kv, gqa, head_dim, 16, lens, new, attend=attend_over_tile_list, **kw)
-    check(kv, gqa, head_dim, 16, lens, new, attend=lambda *a: prefill_attention(*a, last_tile_first=True), **kw)
+    check(kv, gqa, head_dim, 16, lens, new, attend=prefill_attention, **kw)

@@ -341,8 +341,10 @@ class LLMEngine:
         finished = req.finished  # a scan of the request's sequences: once (every request, every step)
         delta = req.output_kind is OutputKind.DELTA
         prompt_lps = req.prompt_logprobs
-        if prompt_lps is not None and delta:  # complete by the first sample: sent with it, once
-            prompt_lps, req.prompt_logprobs_sent = (None if req.prompt_logprobs_sent else prompt_lps), True
+        if delta and prompt_lps is not None:  # complete by the first sample: sent with it, once
+            if req.prompt_logprobs_sent:
+                prompt_lps = None
+            req.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             outputs=[s.completion(delta) for s in req.seqs], finished=finished,

@@ -145,7 +145,7 @@ class Scheduler:
         So a lightly loaded engine admits at once, and a loaded one pays one prompt step for a batch
         of prompts instead of one a prompt. (A prompt step costs E decode steps; holding k seats
         empty costs k / running of a step, each step; with completions every G / running steps for G
-        tokens a request, the two balance at k ~ running * sqrt(2 E / G): 0.3 running at E 5.5
+        tokens a request, the two balance at k ~ running * sqrt(2 E / G): 0.3 running at E 4.7-5.5
         (prompt graphs), 0.4-0.5 at E 10-17 (eager), G 128. A quarter leaves room for shorter
         generations.) Counted without prefix hits (they only need fewer pages)."""
         if not self.limits.batch_prefills or not out.seqs or max(out.num_new) > 1:

@@ -193,7 +193,6 @@ def paged_attention_kernel(
     STAGE_V_OFF: tl.constexpr,  # KVH * BS * D
     TILES: tl.constexpr = False,  # grid (capacity x KVH,) over tiles_ptr, an entry's KV heads adjacent
     CAUSAL_SPLIT: tl.constexpr = False,  # the new tokens' keys before the tile's first token unmasked
-    LAST_TILE_FIRST: tl.constexpr = False,  # grid mode: program 0 takes a sequence's last tile
 ):
     if TILES:
         entry = tl.load(tiles_ptr + tl.program_id(0) // KVH)
@@ -202,8 +201,6 @@ def paged_attention_kernel(
         kvh = tl.program_id(0) % KVH
     else:
         tile = tl.program_id(0)
-        if LAST_TILE_FIRST:  # the tiles with the most keys dispatched first
-            tile = tl.num_programs(0) - 1 - tile
         b = tl.program_id(1)
         kvh = tl.program_id(2)
     q_start = tl.load(query_start_ptr + b)
@@ -339,14 +336,12 @@ def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch
                            v: torch.Tensor, meta: AttentionMetadata, scale: float, *,
                            block_m: int, block_n: int, num_warps: int, num_stages: int,
                            max_query_len: int, native_cvt: bool = False, causal_split: bool = False,
-                           last_tile_first: bool = False,
                            workspace: torch.Tensor | None = None,
                            out: torch.Tensor | None = None) -> torch.Tensor:
     """Runs the prefill/extend kernel over every sequence; returns out [T, H, D], written into `out`
     when given (its dtype is the output's; a view with contiguous channels will do), else in q's
     dtype. `workspace`: the staged pages of `meta.stage` (fp16 [P, 2, KVH, BS, D],
-    `prefix_stage.stage_prefix`), or None. `last_tile_first`: the grid dispatches each sequence's
-    tiles last (most keys) first; a tile list runs in its own order."""
+    `prefix_stage.stage_prefix`), or None."""
     _check(cache, layer, q, k, v, meta)
     L = cache.layout
     T, H, D = q.shape
@@ -389,5 +384,5 @@ def launch_paged_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch
     # a step that staged only some sequences runs two launches over disjoint rows, each kernel with
     # one page loop: the in-place loop's registers (250 for fp8, against 180) slowed the fp16 one
     for mode in ((1,) if meta.stage.every else (1, 2)) if staged else (0,):
-        paged_attention_kernel[(n_tiles, B, L.kv_heads)](**args, STAGED=mode, LAST_TILE_FIRST=last_tile_first)
+        paged_attention_kernel[(n_tiles, B, L.kv_heads)](**args, STAGED=mode)
     return out

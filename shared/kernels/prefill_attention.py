@@ -22,16 +22,12 @@ from kvmesh.kv.pool import KVCache
 # pre-Hopper parts hold at some launches; untaken); elsewhere (8, 2, no split)
 TILE_LAUNCH = {64: (4, 3, True), 128: (8, 3, True)}
 DEFAULT_LAUNCH = (8, 2, False)
-# eager steps' grid: each sequence's tiles dispatched last first (the most keys first). Measured
-# 0.97-1.04x (the same sweep): off. A graph's tile list orders its tiles itself (`tile_order.py`).
-LAST_TILE_FIRST = False
 
 
 def prefill_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       meta: AttentionMetadata, scale: float, *, block_m: int = PREFILL_BLOCK_M, block_n: int = 64,
                       num_warps: int | None = None, num_stages: int | None = None, staging: bool = True,
-                      out: torch.Tensor | None = None, causal_split: bool | None = None,
-                      last_tile_first: bool = LAST_TILE_FIRST) -> torch.Tensor:
+                      out: torch.Tensor | None = None, causal_split: bool | None = None) -> torch.Tensor:
     """out [T, H, D] for q [T, H, D], k/v [T, KVH, D] (new tokens of every sequence, in order),
     written into `out` when given. The prefix pages of `meta.stage` are dequantized into a workspace
     first (`staging=False` reads every page in place, for comparison). `num_warps`, `num_stages`,
@@ -48,4 +44,4 @@ def prefill_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tens
     return launch_paged_attention(cache, layer, q, k, v, meta, scale, block_m=block_m,
                                   block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                                   max_query_len=meta.max_query_len, workspace=workspace,
-                                  out=out, causal_split=causal_split, last_tile_first=last_tile_first)
+                                  out=out, causal_split=causal_split)
