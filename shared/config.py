@@ -51,6 +51,10 @@ class SchedulerConfig:
     """--max-num-batched-tokens: most tokens (prefill chunks + decodes) computed in one step."""
     max_model_len: Optional[int] = None
     """--max-model-len: longest prompt + output; default the model's context length."""
+    async_scheduling: Optional[bool] = None
+    """--async-scheduling: launch each step before reading the last one's tokens back, so the host's
+    work between steps overlaps the GPU's (`engine/inflight.py`); default on where steps run as CUDA
+    graphs (a GPU), off elsewhere."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

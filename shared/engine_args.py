@@ -51,6 +51,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-num-seqs", type=int, default=s.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=s.max_num_batched_tokens)
     g.add_argument("--max-model-len", type=int, default=s.max_model_len)
+    g.add_argument("--async-scheduling", default=s.async_scheduling, action=argparse.BooleanOptionalAction,
+                   help="launch each step before the last one's tokens are read back (default: on a GPU)")
     return parser
 
 
@@ -67,4 +69,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           kv_cache_memory=args.kv_cache_memory),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_model_len=args.max_model_len))
+                                  max_model_len=args.max_model_len,
+                                  async_scheduling=args.async_scheduling))

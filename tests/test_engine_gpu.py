@@ -63,6 +63,45 @@ def test_gpu_engine_greedy_parity_and_pool_sizing(tmp_path=None):
         print(f"{kv}: torch vs triton identical continuations {same}/{len(a)}")
 
 
+
+@gpu
+def test_gpu_async_scheduling_matches_synchronous_steps(tmp_path=None):
+    """Decode and prompt steps through their CUDA graphs, each launched before the last one's tokens
+    are read back: the same greedy and seeded tokens, stop tokens found a step late, as without."""
+    from kvmesh.config import CacheConfig, EngineConfig, SchedulerConfig
+    from kvmesh.engine.engine import LLMEngine
+    from kvmesh.engine.sampling_params import SamplingParams
+    tmp = Path(tmp_path or tempfile.mkdtemp())
+    make_tiny_model(tmp, "llama", seed=62)
+    prompts = random_prompts(12, 5, 90, seed=2)
+
+    def run(overlap: bool, stop_ids=None) -> tuple[dict, object]:
+        eng = LLMEngine(EngineConfig(model=str(tmp), device="cuda", dtype="fp32", cache=CacheConfig(
+            kv_cache_dtype="int4", kv_cache_memory=16 << 20), scheduler=SchedulerConfig(
+            max_num_seqs=16, max_num_batched_tokens=256, async_scheduling=overlap)))
+        for i, p in enumerate(prompts):
+            sp = SamplingParams(temperature=0.0 if i % 3 else 0.8, seed=i, max_tokens=20 + 3 * i, ignore_eos=True,
+                                stop_token_ids=None if stop_ids is None else [stop_ids[i]])
+            eng.add_request(f"r{i}", p, sp)
+        final = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    final[o.request_id] = (o.outputs[0].token_ids, o.outputs[0].finish_reason)
+        eng.kv.check_integrity()
+        assert eng.stats().kv_cache_usage == 0.0
+        return final, eng
+
+    want, _ = run(False)
+    got, eng = run(True)
+    assert got == want and eng.stats().async_steps > 20 and eng.runner.graphs.replays > 20
+    stops = [want[f"r{i}"][0][6] for i in range(len(prompts))]
+    want, _ = run(False, stops)
+    got, _ = run(True, stops)
+    assert got == want and sum(r == "stop" for _, r in got.values()) >= len(prompts) // 2
+
+
 if __name__ == "__main__":
     test_gpu_engine_greedy_parity_and_pool_sizing()
+    test_gpu_async_scheduling_matches_synchronous_steps()
     print("GPU engine test passed")

@@ -22,6 +22,7 @@ import logging
 import torch
 
 from kvmesh.engine.chunk_batch import ChunkBatch, ChunkShape
+from kvmesh.engine.inflight import TokenFeed
 from kvmesh.kernels.metadata import SeqSlice
 from kvmesh.kernels.paged_attention import tile_tokens
 from kvmesh.kv.pool import KVCache
@@ -81,22 +82,31 @@ class ChunkGraphs:
                 and any(s.num_new > 1 for s in seqs) and sum(s.num_new for s in seqs) <= self.buckets[-1]
                 and max(s.prefix_len + s.num_new for s in seqs) <= self.max_context)
 
-    def run(self, chunks: list[list[int]], seqs: list[SeqSlice], sample_rows: list[int]) -> torch.Tensor | None:
+    def run(self, chunks: list[list[int]], seqs: list[SeqSlice], sample_rows: list[int],
+            feed: TokenFeed | None = None) -> torch.Tensor | None:
         """Logits [len(sample_rows), vocab] (model dtype) of the step, an empty [0, vocab] tensor where
-        no row samples, or None where the capture failed (run it eagerly)."""
+        no row samples, or None where the capture failed (run it eagerly). `feed`: tokens still on
+        the device, written over their rows' placeholders."""
         t = sum(s.num_new for s in seqs)
         bucket = next(b for b in self.buckets if b >= t)
         batch = self._batch(bucket)
         n = len(sample_rows)
         if not self.capture:
-            batch.fill(chunks, seqs, sample_rows)
+            self._fill(batch, chunks, seqs, sample_rows, feed)
             return self._forward(batch)[:n]
         if bucket not in self._graphs and not self._capture(batch, bucket):
             return None
-        batch.fill(chunks, seqs, sample_rows)
+        self._fill(batch, chunks, seqs, sample_rows, feed)
         self._graphs[bucket].replay()
         self.replays += 1
         return self._logits[:n].clone()  # the next replay of any graph overwrites the buffer
+
+    @staticmethod
+    def _fill(batch: ChunkBatch, chunks: list[list[int]], seqs: list[SeqSlice], sample_rows: list[int],
+              feed: TokenFeed | None) -> None:
+        batch.fill(chunks, seqs, sample_rows)
+        if feed is not None:
+            feed.apply(batch.input_ids)
 
     def _batch(self, bucket: int) -> ChunkBatch:
         if bucket not in self._batches:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from kvmesh.engine.decode_batch import DecodeBatch, DecodeShape
+from kvmesh.engine.inflight import TokenFeed
 from kvmesh.kernels.metadata import SeqSlice
 from kvmesh.kernels.splits import MIN_TOKENS_PER_SPLIT, num_sms, num_splits
 from kvmesh.kernels.work_list import fixed_splits
@@ -104,23 +105,31 @@ class DecodeGraphs:
                 and all(s.num_new == 1 for s in seqs) and sample_rows == list(range(len(seqs)))
                 and max(s.prefix_len for s in seqs) + 1 <= self.max_context)
 
-    def run(self, tokens: list[int], seqs: list[SeqSlice]) -> torch.Tensor | None:
-        """Logits [B, vocab] (model dtype) of the step, or None where the capture failed (run it eagerly)."""
+    def run(self, tokens: list[int], seqs: list[SeqSlice], feed: TokenFeed | None = None) -> torch.Tensor | None:
+        """Logits [B, vocab] (model dtype) of the step, or None where the capture failed (run it eagerly).
+        `feed`: tokens still on the device, written over their rows' placeholders."""
         b = len(seqs)
         n = next(size for size in self.sizes if size >= b)
         ctx = context_bucket(max(s.prefix_len for s in seqs) + 1, self.max_context)
         batch = self._batch(n)
         work = self.ragged_splits(seqs, n, ctx)
         if not self.capture:
-            batch.fill(tokens, seqs, work)
+            self._fill(batch, tokens, seqs, work, feed)
             return self._forward(batch, ctx, work > 0)[:b]
         key = (n, ctx, work > 0)
         if key not in self._graphs and not self._capture(batch, n, ctx, work):
             return None
-        batch.fill(tokens, seqs, work)
+        self._fill(batch, tokens, seqs, work, feed)
         self._graphs[key].replay()
         self.replays += 1
         return self._logits[:b].clone()  # the next replay of any graph overwrites the buffer
+
+    @staticmethod
+    def _fill(batch: DecodeBatch, tokens: list[int], seqs: list[SeqSlice], work: int,
+              feed: TokenFeed | None) -> None:
+        batch.fill(tokens, seqs, work)
+        if feed is not None:
+            feed.apply(batch.input_ids)
 
     def ragged_splits(self, seqs: list[SeqSlice], n: int, ctx: int) -> int:
         """Splits of the longest sequence in the work list of a ragged graph, where that gives it

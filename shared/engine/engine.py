@@ -3,6 +3,8 @@
 Single-threaded by design (AsyncEngine runs it in one background thread). Per step: the scheduler
 picks sequences and token counts, the runner computes them, new full blocks enter the prefix cache,
 the sampler picks tokens, stop conditions are checked and finished sequences free their pages.
+With async scheduling (`inflight.py`) a step whose rows all sample plainly is launched before the
+step before it is read back, and that step's stop checks and outputs run while the GPU computes.
 """
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ import torch
 
 from kvmesh.config import EngineConfig
 from kvmesh.engine.detokenizer import Detokenizer
+from kvmesh.engine.inflight import InFlightStep, TokenReadback
 from kvmesh.engine.outputs import ExportedBlock, KVExport, OutputKind, RequestOutput, ResumeState, TokenLogprob
-from kvmesh.engine.runner import ModelRunner, StepRows
-from kvmesh.engine.sampler import SampleRow, Sampler, prompt_logprobs
+from kvmesh.engine.request_checks import RequestLimits, check_request
+from kvmesh.engine.runner import ModelRunner, StepPlan, StepRows
+from kvmesh.engine.sampler import SampleRow, Sampler, is_plain, prompt_logprobs
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import ScheduledBatch, Scheduler, SchedulerLimits
 from kvmesh.engine.sequence import Request, Sequence
@@ -55,6 +59,11 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._computed_tokens = 0
+        self.async_scheduling = sc.async_scheduling if sc.async_scheduling is not None \
+            else self.runner.graphs is not None
+        self._readback = TokenReadback(sc.max_num_seqs, self.runner.device)
+        self._inflight: Optional[InFlightStep] = None
+        self._async_steps = 0
 
     # ---- identity ----
     def hash_context(self, cache_salt: str = "") -> HashContext:
@@ -71,38 +80,10 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         prompt = list(prompt_token_ids)
-        if not prompt:
-            raise ValueError("prompt_token_ids must not be empty")
-        V = self.model_config.vocab_size
-        bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < V), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids: token {bad!r} is outside the vocabulary [0, {V})")
-        bad = next((t for t in params.logit_bias or () if t >= V), None)
-        if bad is not None:
-            raise ValueError(f"logit_bias: token {bad} is outside the vocabulary [0, {V})")
-        P, M = len(prompt), self.max_model_len
-        if P >= M:
-            raise ValueError(f"prompt_token_ids: the prompt has {P} tokens; --max-model-len {M} leaves "
-                             "no room for output")
-        max_tokens = params.max_tokens if params.max_tokens is not None else M - P
-        if P + max_tokens > M:
-            raise ValueError(f"max_tokens: prompt ({P}) + max_tokens ({max_tokens}) exceeds "
-                             f"--max-model-len {M}")
-        if params.n > self.config.scheduler.max_num_seqs:
-            raise ValueError(f"n ({params.n}) exceeds --max-num-seqs {self.config.scheduler.max_num_seqs}")
         bs = self.layout.block_size
-        need = (P + max_tokens) // bs
-        if need > self.kv.num_blocks:
-            raise ValueError(f"max_tokens: prompt + max_tokens needs {need} KV blocks but the pool holds "
-                             f"{self.kv.num_blocks}; increase --kv-cache-memory or lower max_tokens")
-        if resume is not None:
-            if params.n != 1:
-                raise ValueError("n must be 1 for a resumed request")
-            if not resume.output_token_ids:
-                raise ValueError("resume.output_token_ids must hold at least the first token")
-            if resume.tail_tokens != P % bs:
-                raise ValueError(f"resume.tail_tokens must be {P % bs} for a {P}-token prompt at block "
-                                 f"size {bs}, got {resume.tail_tokens}")
+        max_tokens = check_request(prompt, params, RequestLimits(
+            self.model_config.vocab_size, self.max_model_len, self.config.scheduler.max_num_seqs, bs,
+            self.kv.num_blocks), resume)
         ctx = self.hash_context(cache_salt)
         req = Request(request_id, prompt, params, max_tokens, bs, ctx.seed(), cache_salt=cache_salt,
                       export_kv=export_kv, hand_off=hand_off, resume=resume, output_kind=output_kind)
@@ -180,19 +161,96 @@ class LLMEngine:
             kv_cache_usage=self.kv.usage, prefix_cache_queries=self.kv.queries,
             prefix_cache_hits=self.kv.hits, num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self._prompt_tokens, generation_tokens=self._generation_tokens,
-            num_blocks=self.kv.num_blocks, computed_tokens=self._computed_tokens)
+            num_blocks=self.kv.num_blocks, computed_tokens=self._computed_tokens,
+            async_steps=self._async_steps)
 
     # ---- the step ----
     def step(self) -> list[RequestOutput]:
+        """Schedules and computes one step. With async scheduling the step is launched and the step
+        before it (launched by the last call) retired: the outputs are that step's, and a call that
+        only launches returns none."""
+        prev, self._inflight = self._inflight, None
+        try:
+            return self._step(prev)
+        except BaseException:
+            self._inflight = None  # the caller aborts what was running; nothing is read back
+            raise
+
+    def _step(self, prev: Optional[InFlightStep]) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        if batch.empty:
+        if batch.empty and prev is None:
             if self.scheduler.waiting and not self.scheduler.running:
                 # add_request guarantees any one request fits an empty pool; this is a bug if hit
                 raise RuntimeError(f"{len(self.scheduler.waiting)} waiting sequences cannot be scheduled "
                                    "on an idle engine")
             return []
-        sample_seqs, rows, chunks, slices = self._plan(batch)
-        sample_logits, prompt_logits = self.runner.execute(chunks, slices, rows)
+        progressed: dict[str, Request] = {}
+        plan = None if batch.empty else self._plan(batch)
+        rows = self._async_rows(plan) if plan is not None and self.async_scheduling else None
+        if rows is not None:
+            self._inflight = self._launch(batch, plan, rows, prev)
+            plan = None
+        if prev is not None:
+            self._retire(prev, progressed)
+            if plan is not None:  # this step samples from what prev sampled: plan it with those tokens
+                keep = [i for i, seq in enumerate(batch.seqs) if not seq.is_finished]
+                batch = ScheduledBatch([batch.seqs[i] for i in keep], [batch.num_new[i] for i in keep])
+                plan = None if batch.empty else self._plan(batch)
+        if plan is not None:
+            self._run(batch, plan, progressed)
+        return [self._output(r) for r in progressed.values()
+                if r.output_kind is not OutputKind.FINAL_ONLY or r.finished]
+
+    def _run(self, batch: ScheduledBatch, plan: StepPlan, progressed: dict) -> None:
+        """Computes and samples a step, reading its tokens back at once."""
+        sample_logits, prompt_logits = self.runner.execute(plan.chunks, plan.slices, plan.rows)
+        self._account(batch)
+        for (r0, cnt, bi), logits in zip(plan.rows.prompt_rows, prompt_logits):
+            self._add_prompt_logprobs(batch.seqs[bi], r0, cnt, logits)
+        if plan.sample_seqs:
+            self._sample(plan.sample_seqs, sample_logits, progressed)
+
+    def _async_rows(self, plan: StepPlan) -> Optional[list[SampleRow]]:
+        """The step's sampling rows where it can run ahead of the host (no prompt logprobs, every row
+        plain, no request still to fork), else None: it waits for the tokens before it."""
+        if plan.rows.prompt_rows:
+            return None
+        rows = [self._sample_row(s) for s in plan.sample_seqs]
+        if all(is_plain(r) for r in rows) and all(s.request.forked or s.params.n == 1 for s in plan.sample_seqs):
+            return rows
+        return None
+
+    def _launch(self, batch: ScheduledBatch, plan: StepPlan, rows: list[SampleRow],
+                prev: Optional[InFlightStep]) -> Optional[InFlightStep]:
+        """Computes and samples a step on the device and starts reading its tokens back."""
+        feed = prev.feed(plan.fed_rows, plan.fed_seqs, self.runner.device) if prev is not None else None
+        if plan.fed_rows and feed is None:
+            raise RuntimeError("a pending token without a step in flight")  # a bug if hit
+        logits, _ = self.runner.execute(plan.chunks, plan.slices, plan.rows, feed)
+        self._account(batch)
+        self._async_steps += 1
+        if not plan.sample_seqs:
+            return None
+        tokens = self.sampler.sample_on_device(logits, rows)  # [N] int64, on the device
+        for seq in plan.sample_seqs:
+            seq.pending += 1
+            seq.stops_after_pending = (seq.num_output_tokens + seq.pending >= seq.request.max_tokens
+                                       or seq.num_tokens >= self.max_model_len)
+        return InFlightStep(plan.sample_seqs, tokens, *self._readback.start(tokens))
+
+    def _retire(self, step: InFlightStep, progressed: dict) -> None:
+        """Takes a launched step's tokens as a synchronous step would have (stops, outputs)."""
+        for seq, tok in zip(step.seqs, step.token_ids()):
+            if seq.is_finished:
+                continue  # aborted, or ended by the step before: its row here computed nothing kept
+            seq.pending -= 1
+            self._append(seq, tok, None)
+            if not seq.is_finished:
+                self._cache_full_blocks(seq)  # blocks whose last token was pending
+            progressed[seq.request.request_id] = seq.request
+
+    def _account(self, batch: ScheduledBatch) -> None:
+        """A computed step's counters, positions and newly full blocks."""
         self._computed_tokens += batch.num_tokens
         for seq, n in zip(batch.seqs, batch.num_new):
             if seq.num_computed_tokens < seq.num_prompt_tokens <= seq.num_computed_tokens + n \
@@ -200,36 +258,30 @@ class LLMEngine:
                 self._prompt_tokens += seq.num_prompt_tokens
             seq.num_computed_tokens += n
             self._cache_full_blocks(seq)
-        for (r0, cnt, bi), logits in zip(rows.prompt_rows, prompt_logits):
-            self._add_prompt_logprobs(batch.seqs[bi], r0, cnt, logits)
-        progressed: dict[str, Request] = {}
-        if sample_seqs:
-            self._sample(sample_seqs, sample_logits, progressed)
-        return [self._output(r) for r in progressed.values()
-                if r.output_kind is not OutputKind.FINAL_ONLY or r.finished]
 
-    def _plan(self, batch: ScheduledBatch):
-        sample_seqs: list[Sequence] = []
-        sample_rows: list[int] = []
-        prompt_rows: list[tuple[int, int, int]] = []
-        chunks: list[list[int]] = []
-        slices: list[SeqSlice] = []
+    def _plan(self, batch: ScheduledBatch) -> StepPlan:
+        plan = StepPlan([], StepRows([], []), [], [], [], [])
         row = 0
         for bi, (seq, n) in enumerate(zip(batch.seqs, batch.num_new)):
             c = seq.num_computed_tokens
-            chunks.append(seq.token_ids[c:c + n])
-            slices.append(SeqSlice(c, n, seq.block_ids, seq.residual_slot))
+            chunk = seq.token_ids[c:c + n]
+            if len(chunk) < n:  # its last token is pending: a placeholder the step's feed overwrites
+                plan.fed_rows.append(row + len(chunk))
+                plan.fed_seqs.append(seq)
+                chunk.append(0)
+            plan.chunks.append(chunk)
+            plan.slices.append(SeqSlice(c, n, seq.block_ids, seq.residual_slot))
             req = seq.request
             if req.prompt_logprobs is not None and seq.index == 0:
                 lo = max(c, len(req.prompt_logprobs) - 1)
                 hi = min(c + n, seq.num_prompt_tokens - 1)
                 if hi > lo:  # positions lo..hi-1 predict prompt tokens lo+1..hi
-                    prompt_rows.append((row + lo - c, hi - lo, bi))
+                    plan.rows.prompt_rows.append((row + lo - c, hi - lo, bi))
             if c + n == seq.num_tokens:
-                sample_seqs.append(seq)
-                sample_rows.append(row + n - 1)
+                plan.sample_seqs.append(seq)
+                plan.rows.sample_rows.append(row + n - 1)
             row += n
-        return sample_seqs, StepRows(sample_rows, prompt_rows), chunks, slices
+        return plan
 
     def _add_prompt_logprobs(self, seq: Sequence, r0: int, cnt: int, logits: torch.Tensor) -> None:
         req = seq.request
@@ -238,8 +290,8 @@ class LLMEngine:
         req.prompt_logprobs.extend(prompt_logprobs(logits, nxt, req.params.prompt_logprobs))
 
     def _cache_full_blocks(self, seq: Sequence) -> None:
-        """Registers blocks completed by this step in the prefix cache."""
-        full = seq.num_computed_tokens // self.layout.block_size
+        """Registers computed blocks whose tokens are all known in the prefix cache."""
+        full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.layout.block_size
         bs = self.layout.block_size
         for b in range(seq.num_cached_blocks, full):
             self.kv.cache_block(seq.block_ids[b], seq.block_hashes[b], seq.token_ids[b * bs:(b + 1) * bs])
@@ -286,7 +338,7 @@ class LLMEngine:
         banned: tuple[int, ...] = ()
         if seq.num_output_tokens < p.min_tokens:
             banned = tuple(p.stop_token_ids or ()) + (() if p.ignore_eos else tuple(self._eos))
-        return SampleRow(p, seq.token_ids, seq.num_prompt_tokens, seq.generator, banned)
+        return SampleRow(p, seq.token_ids, seq.num_prompt_tokens, seq.generator, banned, seq.pending)
 
     def _append(self, seq: Sequence, tok: int, lp: Optional[TokenLogprob]) -> None:
         seq.append_tokens([tok])
@@ -304,7 +356,7 @@ class LLMEngine:
             hit = seq.detok.add_token(tok)
             if hit is not None and n_out >= p.min_tokens:
                 reason, stop_reason = "stop", hit
-            elif n_out >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif n_out >= seq.request.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 reason = "length"
         if reason is not None:
             # Emit bytes held back as an incomplete character, unless the run only hands the
@@ -316,6 +368,7 @@ class LLMEngine:
             self._finish(seq)
 
     def _finish(self, seq: Sequence) -> None:
+        seq.pending, seq.stops_after_pending = 0, False  # a row of it in flight is dropped
         req = seq.request
         if req.export_kv and seq.index == 0:
             req.kv_export = self._export(seq)

@@ -5,12 +5,14 @@ device tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from kvmesh.config import EngineConfig
 from kvmesh.engine.chunk_graphs import ChunkGraphs
 from kvmesh.engine.decode_graphs import DecodeGraphs
+from kvmesh.engine.inflight import TokenFeed
 from kvmesh.kernels.backend import make_backend
 from kvmesh.kernels.cpu_native import load as load_native
 from kvmesh.kernels.torch_ref import TorchBackend
@@ -47,6 +49,21 @@ class StepRows:
     """One row per sequence that samples a token this step (its last new token)."""
     prompt_rows: list[tuple[int, int, int]]
     """(first row, row count, sequence index in the batch) for prompt-logprob chunks."""
+
+
+@dataclass
+class StepPlan:
+    """One scheduled step, laid out for `ModelRunner.execute`."""
+
+    sample_seqs: list
+    """The sequences that sample a token (their rows: `rows.sample_rows`)."""
+    rows: StepRows
+    chunks: list[list[int]]
+    """Each sequence's new tokens (a pending one as a placeholder)."""
+    slices: list[SeqSlice]
+    fed_rows: list[int]
+    """Flat input rows whose token a step in flight sampled, with their sequences (`fed_seqs`)."""
+    fed_seqs: list
 
 
 class ModelRunner:
@@ -125,17 +142,18 @@ class ModelRunner:
         return int(n)
 
     @torch.inference_mode()
-    def execute(self, token_chunks: list[list[int]], slices: list[SeqSlice],
-                rows: StepRows) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Runs the model over the batch. token_chunks[i]: the new tokens of slices[i].
-        Returns (sample logits [len(sample_rows), V] in the model dtype, per prompt chunk logits
-        [n, V] float32)."""
+    def execute(self, token_chunks: list[list[int]], slices: list[SeqSlice], rows: StepRows,
+                feed: Optional[TokenFeed] = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Runs the model over the batch. token_chunks[i]: the new tokens of slices[i] (placeholders
+        where `feed` writes the tokens a step in flight sampled). Returns (sample logits
+        [len(sample_rows), V] in the model dtype, per prompt chunk logits [n, V] float32). Nothing
+        waits on the device here but an eager step's own host reads."""
         if self.graphs is not None and self.graphs.takes(slices, rows.sample_rows, rows.prompt_rows):
-            logits = self.graphs.run([toks[0] for toks in token_chunks], slices)
+            logits = self.graphs.run([toks[0] for toks in token_chunks], slices, feed)
             if logits is not None:  # else the capture failed: eager, as every step from now on
                 return logits, []
         if self.chunk_graphs is not None and self.chunk_graphs.takes(slices, rows.sample_rows, rows.prompt_rows):
-            logits = self.chunk_graphs.run(token_chunks, slices, rows.sample_rows)
+            logits = self.chunk_graphs.run(token_chunks, slices, rows.sample_rows, feed)
             if logits is not None:
                 return (logits if rows.sample_rows else None), []
         flat: list[int] = []
@@ -144,6 +162,8 @@ class ModelRunner:
             flat.extend(toks)
             pos.extend(range(s.prefix_len, s.prefix_len + s.num_new))
         input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)  # [T]
+        if feed is not None:
+            feed.apply(input_ids)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)  # [T]
         meta = build_attention_metadata(slices, self.layout, self.cache.num_residual_slots, self.device,
                                         self.stage_policy, self.split_mixed)

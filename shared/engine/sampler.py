@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from kvmesh.engine.inflight import device_ints
 from kvmesh.engine.outputs import TokenLogprob
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.kernels.cpu_native import NativeKernels
@@ -27,10 +28,13 @@ class SampleRow:
     generator: Optional[torch.Generator]
     banned_token_ids: tuple[int, ...] = ()
     """Masked to -inf (EOS and stop ids while output is shorter than min_tokens)."""
+    num_pending: int = 0
+    """Tokens sampled by steps still in flight, not yet in token_ids (async scheduling)."""
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """The index among the outputs of the token this row samples."""
+        return len(self.token_ids) + self.num_pending - self.num_prompt_tokens
 
 
 @dataclass
@@ -42,6 +46,12 @@ class SampleResult:
 def _needs_processing(r: SampleRow) -> bool:
     p = r.params
     return bool(p.needs_penalties or r.banned_token_ids or p.logprobs is not None or p.logit_bias)
+
+
+def is_plain(r: SampleRow) -> bool:
+    """Whether the row's token depends on nothing but its logits and its draw (no penalties, bans,
+    bias or logprobs): `Sampler.sample_on_device` takes it without the sequence's last tokens."""
+    return not _needs_processing(r)
 
 
 def apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
@@ -127,7 +137,7 @@ class Sampler:
         same argmax, as float32 holds every bf16 / fp16 value), one row per entry of `rows`."""
         N = len(rows)
         # Fast path: a batch of plain greedy rows needs one argmax and no Python per row.
-        if all(r.params.temperature == 0.0 and not _needs_processing(r) for r in rows):
+        if all(r.params.temperature == 0.0 and is_plain(r) for r in rows):
             return SampleResult(greedy_ids(logits, self.native).tolist(), [None] * N)
 
         want_lp = [r.params.logprobs is not None for r in rows]
@@ -142,20 +152,7 @@ class Sampler:
                 apply_penalties(logits[i], r)
             if r.banned_token_ids:
                 logits[i, list(r.banned_token_ids)] = float("-inf")
-        chosen = torch.empty(N, dtype=torch.long, device=logits.device)
-        greedy = [i for i, r in enumerate(rows) if r.params.temperature == 0.0]
-        if greedy:
-            gi = torch.tensor(greedy, device=logits.device)
-            chosen[gi] = greedy_ids(logits[gi], self.native)
-        for i, r in enumerate(rows):
-            if r.params.temperature == 0.0:
-                continue
-            probs = _filter(logits[i], r.params)
-            if r.generator is not None:
-                gen = draw_generator(r.generator, r.num_output_tokens)
-            else:
-                gen = self.generator
-            chosen[i] = torch.multinomial(probs, 1, generator=gen)[0]
+        chosen = self._choose(logits, rows)
 
         lps: list[Optional[TokenLogprob]] = [None] * N
         if raw_lp is not None:
@@ -167,6 +164,35 @@ class Sampler:
                 for i, t in zip(sel, _top_logprobs(raw_lp[si], chosen[si], k)):
                     lps[i] = t
         return SampleResult(chosen.tolist(), lps)
+
+    @torch.inference_mode()
+    def sample_on_device(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Token ids [N] int64 on the logits' device for plain rows (`is_plain`), with nothing waiting
+        on the device: what an async step feeds its next step before the host reads it back. The
+        same tokens `__call__` picks for those rows."""
+        if all(r.params.temperature == 0.0 for r in rows):
+            return greedy_ids(logits, self.native)
+        return self._choose(logits if logits.dtype == torch.float32 else logits.float(), rows)
+
+    def _choose(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Token ids [N] int64 from processed logits [N, V] float32: argmax for greedy rows, a draw
+        from the filtered distribution for the rest."""
+        N = len(rows)
+        chosen = torch.empty(N, dtype=torch.long, device=logits.device)
+        greedy = [i for i, r in enumerate(rows) if r.params.temperature == 0.0]
+        if greedy:
+            gi = device_ints(greedy, logits.device)
+            chosen[gi] = greedy_ids(logits[gi], self.native)
+        for i, r in enumerate(rows):
+            if r.params.temperature == 0.0:
+                continue
+            probs = _filter(logits[i], r.params)
+            if r.generator is not None:
+                gen = draw_generator(r.generator, r.num_output_tokens)
+            else:
+                gen = self.generator
+            chosen[i] = torch.multinomial(probs, 1, generator=gen)[0]
+        return chosen
 
 
 def prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int], k: int) -> list[TokenLogprob]:

@@ -96,6 +96,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.stops_after_pending:  # its step in flight samples its last token
+                i += 1
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             need = (seq.num_computed_tokens + num_new) // bs - len(seq.block_ids)
             while need > 0 and self.kv.num_free_blocks < need:

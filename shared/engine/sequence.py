@@ -52,6 +52,11 @@ class Sequence:
         """Output tokens and visible characters a DELTA request's outputs have carried."""
         self.block_hashes: list[bytes] = []
         """Chained hashes of every full block of token_ids (computed or not)."""
+        self.pending = 0
+        """Tokens sampled by steps still in flight (async scheduling): they follow token_ids, known
+        on the device only until `engine.LLMEngine` reads them back."""
+        self.stops_after_pending = False
+        """Its last pending token ends it by length: the scheduler gives it no further step."""
         self._extend_hashes()
 
     def _extend_hashes(self) -> None:
@@ -80,7 +85,8 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Known tokens plus pending ones: what the scheduler computes and allocates pages for."""
+        return len(self.token_ids) + self.pending
 
     @property
     def is_finished(self) -> bool:

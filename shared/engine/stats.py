@@ -26,3 +26,5 @@ class EngineStats:
     """Pages in the pool."""
     computed_tokens: int = 0
     """Tokens run through the model (prefill chunks + decodes, cumulative): what prefix hits save."""
+    async_steps: int = 0
+    """Steps launched before the previous step's tokens were read back (async scheduling, cumulative)."""
