@@ -104,6 +104,8 @@ class StackConfig:
             engine.append("--enforce-eager")
         if args.enable_prefix_caching is not None:
             engine.append("--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching")
+        if getattr(args, "async_scheduling", None) is not None:
+            engine.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
         extra = tuple((role, tuple(shlex.split(getattr(args, f"{role}_args") or "")))
                       for role in ("kvstore", "prefill", "decode", "gateway"))
         return StackConfig(
@@ -137,6 +139,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="workers run decode steps without CUDA graphs")
     p.add_argument("--max-seq-len-to-capture", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="workers launch each step before the last one's tokens are read back (default: on a GPU)")
     p.add_argument("--redis-url", default=None, help="prefix index in Redis; default one in-memory index process")
     p.add_argument("--host", default=d.host, help="address the gateway binds")
     p.add_argument("--port", type=int, default=d.port, help="gateway HTTP port (0 = any free port)")

@@ -77,7 +77,7 @@ def test_gpu_async_scheduling_matches_synchronous_steps(tmp_path=None):
 
     def run(overlap: bool, stop_ids=None) -> tuple[dict, object]:
         eng = LLMEngine(EngineConfig(model=str(tmp), device="cuda", dtype="fp32", cache=CacheConfig(
-            kv_cache_dtype="int4", kv_cache_memory=16 << 20), scheduler=SchedulerConfig(
+            kv_cache_dtype="auto", kv_cache_memory=16 << 20), scheduler=SchedulerConfig(
             max_num_seqs=16, max_num_batched_tokens=256, async_scheduling=overlap)))
         for i, p in enumerate(prompts):
             sp = SamplingParams(temperature=0.0 if i % 3 else 0.8, seed=i, max_tokens=20 + 3 * i, ignore_eos=True,
