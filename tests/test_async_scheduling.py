@@ -1,7 +1,7 @@
 """Async scheduling (`engine/inflight.py`) on a tiny random model on the CPU: each step launched
 before the last one's tokens are read back must give exactly what the synchronous engine gives
-(greedy and seeded draws, stop tokens and strings found a step late, n > 1, logprobs rows that make
-a step wait, preemption, aborts), free every page, and compute no row for a sequence that its step
+(greedy and seeded draws, logprobs, logit bias, min_tokens, stop tokens and strings found a step late,
+n > 1 and penalties, which make a step wait, preemption, aborts), free every page, and compute no row for a sequence that its step
 in flight ends by length."""
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def run(eng: LLMEngine, reqs: dict, kind: OutputKind = OutputKind.CUMULATIVE) ->
 
 def summary(outs: dict) -> dict:
     return {rid: [(c.token_ids, c.text, c.finish_reason, c.stop_reason,
-                   None if c.logprobs is None else [(t.token_id, round(t.logprob, 4)) for t in c.logprobs])
+                   None if c.logprobs is None else [(t.token_id, round(t.logprob, 4), [i for i, _ in t.top])
+                                                    for t in c.logprobs])
                   for c in o.outputs] for rid, o in outs.items()}
 
 
@@ -58,8 +59,11 @@ def mixed_requests(model_dir: str) -> dict:
         "s1": (prompts[5], SamplingParams(temperature=1.2, top_k=20, seed=5, max_tokens=9, ignore_eos=True)),
         "n2": (prompts[6], SamplingParams(n=2, temperature=1.0, seed=6, max_tokens=11, ignore_eos=True)),
         "lp": (prompts[7], greedy(12, logprobs=2)),
-        "one": (prompts[8], greedy(1)),
-        "long": (prompts[9], greedy(40)),
+        "one": (prompts[8], SamplingParams(temperature=0.7, seed=9, max_tokens=1, logprobs=0)),
+        "long": (prompts[9], greedy(40, logit_bias={stop_id: 3.0, 7: -100.0})),
+        "min": (prompts[0], SamplingParams(temperature=0.0, max_tokens=30, min_tokens=12,
+                                           stop_token_ids=[stop_id], logprobs=1)),
+        "pen": (prompts[5], greedy(14, repetition_penalty=1.3)),
     }
 
 
@@ -71,7 +75,8 @@ def test_async_steps_give_what_synchronous_steps_give(model_dir):
     assert summary(got) == summary(want)
     assert got["g0"].outputs[0].finish_reason == "stop" and got["g1"].outputs[0].finish_reason == "stop"
     st = eng.stats()
-    assert st.async_steps > 10  # most steps ran ahead (the logprobs request's made some wait)
+    assert len(got["min"].outputs[0].token_ids) >= 12 and len(got["lp"].outputs[0].logprobs[0].top) == 2
+    assert st.async_steps > 10  # most steps ran ahead (the penalties request's made some wait)
     assert st.kv_cache_usage == 0.0 and st.num_running == 0 and st.num_waiting == 0
     assert eng.has_unfinished() is False
 

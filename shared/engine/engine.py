@@ -3,8 +3,8 @@
 Single-threaded by design (AsyncEngine runs it in one background thread). Per step: the scheduler
 picks sequences and token counts, the runner computes them, new full blocks enter the prefix cache,
 the sampler picks tokens, stop conditions are checked and finished sequences free their pages.
-With async scheduling (`inflight.py`) a step whose rows all sample plainly is launched before the
-step before it is read back, and that step's stop checks and outputs run while the GPU computes.
+With async scheduling (`inflight.py`) a step without penalties or prompt logprobs is launched before
+the step before it is read back, and that step's stop checks and outputs run while the GPU computes.
 """
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import torch
 
 from kvmesh.config import EngineConfig
 from kvmesh.engine.detokenizer import Detokenizer
-from kvmesh.engine.inflight import InFlightStep, TokenReadback
+from kvmesh.engine.inflight import InFlightStep
 from kvmesh.engine.outputs import ExportedBlock, KVExport, OutputKind, RequestOutput, ResumeState, TokenLogprob
 from kvmesh.engine.request_checks import RequestLimits, check_request
 from kvmesh.engine.runner import ModelRunner, StepPlan, StepRows
-from kvmesh.engine.sampler import SampleRow, Sampler, is_plain, prompt_logprobs
+from kvmesh.engine.sampler import SampleRow, Sampler, prompt_logprobs, runs_ahead
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import ScheduledBatch, Scheduler, SchedulerLimits
 from kvmesh.engine.sequence import Request, Sequence
@@ -61,7 +61,6 @@ class LLMEngine:
         self._computed_tokens = 0
         self.async_scheduling = sc.async_scheduling if sc.async_scheduling is not None \
             else self.runner.graphs is not None
-        self._readback = TokenReadback(sc.max_num_seqs, self.runner.device)
         self._inflight: Optional[InFlightStep] = None
         self._async_steps = 0
 
@@ -211,12 +210,12 @@ class LLMEngine:
             self._sample(plan.sample_seqs, sample_logits, progressed)
 
     def _async_rows(self, plan: StepPlan) -> Optional[list[SampleRow]]:
-        """The step's sampling rows where it can run ahead of the host (no prompt logprobs, every row
-        plain, no request still to fork), else None: it waits for the tokens before it."""
+        """The step's sampling rows where it can run ahead of the host (no prompt logprobs, no row with
+        penalties, no request still to fork), else None: it waits for the tokens before it."""
         if plan.rows.prompt_rows:
             return None
         rows = [self._sample_row(s) for s in plan.sample_seqs]
-        if all(is_plain(r) for r in rows) and all(s.request.forked or s.params.n == 1 for s in plan.sample_seqs):
+        if all(runs_ahead(r) for r in rows) and all(s.request.forked or s.params.n == 1 for s in plan.sample_seqs):
             return rows
         return None
 
@@ -231,20 +230,20 @@ class LLMEngine:
         self._async_steps += 1
         if not plan.sample_seqs:
             return None
-        tokens = self.sampler.sample_on_device(logits, rows)  # [N] int64, on the device
+        sample = self.sampler.sample_on_device(logits, rows)
         for seq in plan.sample_seqs:
             seq.pending += 1
             seq.stops_after_pending = (seq.num_output_tokens + seq.pending >= seq.request.max_tokens
                                        or seq.num_tokens >= self.max_model_len)
-        return InFlightStep(plan.sample_seqs, tokens, *self._readback.start(tokens))
+        return InFlightStep(plan.sample_seqs, rows, sample)
 
     def _retire(self, step: InFlightStep, progressed: dict) -> None:
         """Takes a launched step's tokens as a synchronous step would have (stops, outputs)."""
-        for seq, tok in zip(step.seqs, step.token_ids()):
+        for seq, tok, lp in zip(step.seqs, *step.results()):
             if seq.is_finished:
                 continue  # aborted, or ended by the step before: its row here computed nothing kept
             seq.pending -= 1
-            self._append(seq, tok, None)
+            self._append(seq, tok, lp)
             if not seq.is_finished:
                 self._cache_full_blocks(seq)  # blocks whose last token was pending
             progressed[seq.request.request_id] = seq.request
@@ -336,7 +335,7 @@ class LLMEngine:
     def _sample_row(self, seq: Sequence) -> SampleRow:
         p = seq.params
         banned: tuple[int, ...] = ()
-        if seq.num_output_tokens < p.min_tokens:
+        if seq.num_output_tokens + seq.pending < p.min_tokens:  # the index of the token it samples
             banned = tuple(p.stop_token_ids or ()) + (() if p.ignore_eos else tuple(self._eos))
         return SampleRow(p, seq.token_ids, seq.num_prompt_tokens, seq.generator, banned, seq.pending)
 

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from kvmesh.engine.inflight import device_ints
+from kvmesh.engine.host_copies import to_device
 from kvmesh.engine.outputs import TokenLogprob
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.kernels.cpu_native import NativeKernels
@@ -48,10 +48,37 @@ def _needs_processing(r: SampleRow) -> bool:
     return bool(p.needs_penalties or r.banned_token_ids or p.logprobs is not None or p.logit_bias)
 
 
-def is_plain(r: SampleRow) -> bool:
-    """Whether the row's token depends on nothing but its logits and its draw (no penalties, bans,
-    bias or logprobs): `Sampler.sample_on_device` takes it without the sequence's last tokens."""
-    return not _needs_processing(r)
+def runs_ahead(r: SampleRow) -> bool:
+    """Whether the row samples without its sequence's latest tokens on the host (no penalties, which
+    count them): `Sampler.sample_on_device` takes it while the step before is still in flight."""
+    return not r.params.needs_penalties
+
+
+@dataclass
+class DeviceSample:
+    """A step's sampled tokens and logprobs, on the device (nothing waited for)."""
+
+    token_ids: torch.Tensor
+    """[N] int64."""
+    logprobs: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+    """(chosen [N], top values [N, k], top ids [N, k]) of the raw log-probabilities, k the largest
+    any row asked for; None where no row asked."""
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.token_ids,) + (self.logprobs or ())
+
+
+def host_logprobs(rows: list[SampleRow], token_ids: list[int], host: tuple[torch.Tensor, ...]) -> list:
+    """A DeviceSample's logprobs read back (`host`: its `tensors()[1:]` on the host), per row as
+    `Sampler.__call__` gives them: a TokenLogprob with the row's k best, or None."""
+    if not host:
+        return [None] * len(rows)
+    chosen, top_v, top_i = (t.tolist() for t in host)
+    out: list[Optional[TokenLogprob]] = []
+    for i, r in enumerate(rows):
+        k = r.params.logprobs
+        out.append(None if k is None else TokenLogprob(token_ids[i], chosen[i], list(zip(top_i[i][:k], top_v[i][:k]))))
+    return out
 
 
 def apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
@@ -137,21 +164,13 @@ class Sampler:
         same argmax, as float32 holds every bf16 / fp16 value), one row per entry of `rows`."""
         N = len(rows)
         # Fast path: a batch of plain greedy rows needs one argmax and no Python per row.
-        if all(r.params.temperature == 0.0 and is_plain(r) for r in rows):
+        if all(r.params.temperature == 0.0 and not _needs_processing(r) for r in rows):
             return SampleResult(greedy_ids(logits, self.native).tolist(), [None] * N)
 
         want_lp = [r.params.logprobs is not None for r in rows]
         logits = logits.clone() if logits.dtype == torch.float32 else logits.float()  # ours to change
         raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None  # [N, V]
-        for i, r in enumerate(rows):
-            if r.params.logit_bias:
-                ids = torch.tensor(list(r.params.logit_bias), dtype=torch.long, device=logits.device)
-                logits[i, ids] += torch.tensor(list(r.params.logit_bias.values()), dtype=logits.dtype,
-                                               device=logits.device)
-            if r.params.needs_penalties:
-                apply_penalties(logits[i], r)
-            if r.banned_token_ids:
-                logits[i, list(r.banned_token_ids)] = float("-inf")
+        self._process(logits, rows)
         chosen = self._choose(logits, rows)
 
         lps: list[Optional[TokenLogprob]] = [None] * N
@@ -166,13 +185,34 @@ class Sampler:
         return SampleResult(chosen.tolist(), lps)
 
     @torch.inference_mode()
-    def sample_on_device(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """Token ids [N] int64 on the logits' device for plain rows (`is_plain`), with nothing waiting
-        on the device: what an async step feeds its next step before the host reads it back. The
-        same tokens `__call__` picks for those rows."""
-        if all(r.params.temperature == 0.0 for r in rows):
-            return greedy_ids(logits, self.native)
-        return self._choose(logits if logits.dtype == torch.float32 else logits.float(), rows)
+    def sample_on_device(self, logits: torch.Tensor, rows: list[SampleRow]) -> DeviceSample:
+        """The tokens (and logprobs) `__call__` picks, for rows that run ahead (`runs_ahead`), left on
+        the device with nothing waited for: what an async step feeds its next step before the host
+        reads it back."""
+        if all(r.params.temperature == 0.0 and not _needs_processing(r) for r in rows):
+            return DeviceSample(greedy_ids(logits, self.native))
+        ks = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+        logits = logits.clone() if logits.dtype == torch.float32 else logits.float()  # ours to change
+        raw_lp = torch.log_softmax(logits, dim=-1) if ks else None  # [N, V]
+        self._process(logits, rows)
+        chosen = self._choose(logits, rows)
+        if raw_lp is None:
+            return DeviceSample(chosen)
+        top = raw_lp.topk(max(ks), dim=-1)  # [N, k] each
+        return DeviceSample(chosen, (raw_lp.gather(1, chosen.view(-1, 1)).view(-1), top.values, top.indices))
+
+    @staticmethod
+    def _process(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+        """Logit bias, penalties and bans, in place on logits [N, V] float32 (index tensors go to the
+        device without waiting for it: `to_device`)."""
+        for i, r in enumerate(rows):
+            if r.params.logit_bias:
+                ids = to_device(list(r.params.logit_bias), logits.device)
+                logits[i, ids] += to_device(list(r.params.logit_bias.values()), logits.device, logits.dtype)
+            if r.params.needs_penalties:
+                apply_penalties(logits[i], r)
+            if r.banned_token_ids:
+                logits[i, to_device(list(r.banned_token_ids), logits.device)] = float("-inf")
 
     def _choose(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """Token ids [N] int64 from processed logits [N, V] float32: argmax for greedy rows, a draw
@@ -181,7 +221,7 @@ class Sampler:
         chosen = torch.empty(N, dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(rows) if r.params.temperature == 0.0]
         if greedy:
-            gi = device_ints(greedy, logits.device)
+            gi = to_device(greedy, logits.device)
             chosen[gi] = greedy_ids(logits[gi], self.native)
         for i, r in enumerate(rows):
             if r.params.temperature == 0.0:
