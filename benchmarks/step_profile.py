@@ -1,8 +1,8 @@
 """Where a serving step's time goes on the GPU: `gpu_serving.py`'s load on one engine, every step
 timed three ways, and a few steps with prompt chunks under torch.profiler:
 
-    python3 benchmarks/step_profile.py [--kv int4] [--profiled 3] [--cprofile] [--eager-prompts]
-        [--kv-memory-mib 512] [--requests 256]
+    python3 benchmarks/step_profile.py [--kv int4] [--profiled 3] [--profiled-decode 0] [--cprofile]
+        [--eager-prompts] [--kv-memory-mib 512] [--requests 256]
 
 Per step (`runner.execute` only; sampling and the engine's host work are the rest of `engine.step`):
   host  = from the call to its return (the host's enqueueing, and any sync inside it),
@@ -14,6 +14,9 @@ profiler's tables by device time and by host time. What it tells: whether an eag
 bound by its kernels (busy ~ wall) or by the host launching them (busy << wall ~ host).
 Steps are of three kinds: decode graphs, prompt graphs (`engine/chunk_graphs.py`) and eager (with
 `--eager-prompts`, prompt graphs off, as before 2026-12-03: every step with a prompt chunk).
+`--profiled-decode N`: N decode-graph replays under torch.profiler too (after the first 100 decode
+steps, so that their graphs are captured), their kernels by device time: what a decode step's GPU
+time is made of now that async scheduling hides the host's work.
 `--cprofile`: every other eager step also runs under cProfile (its wall then excluded from the
 table), and the host's time in them is printed by cumulative and by own time.
 """
@@ -47,14 +50,15 @@ class StepTimes:
 class TimedRunner:
     """Wraps `runner.execute`: times each call, profiles the first `profiled` eager ones."""
 
-    def __init__(self, runner, profiled: int, host_profile: bool) -> None:
+    def __init__(self, runner, profiled: int, host_profile: bool, profiled_decode: int = 0) -> None:
         self.runner, self.execute, self.left = runner, runner.execute, profiled
+        self.left_decode, self.decode_steps = profiled_decode, 0
         self.steps: list[StepTimes] = []
         self.tables: list[str] = []
         self.host = cProfile.Profile() if host_profile else None
         self.eager = 0
 
-    def __call__(self, chunks, slices, rows):
+    def __call__(self, chunks, slices, rows, feed=None):
         kind = "eager"
         for name, g in (("decode graph", self.runner.graphs), ("prompt graph", self.runner.chunk_graphs)):
             if kind == "eager" and g is not None and g.takes(slices, rows.sample_rows, rows.prompt_rows):
@@ -66,7 +70,12 @@ class TimedRunner:
         # a prompt graph's replay, not its capture (which the profiler may disturb)
         ready = kind == "eager" or (kind == "prompt graph"
                                     and min(b for b in chunk.buckets if b >= tokens) in chunk.captured)
-        if ready and self.left > 0:
+        self.decode_steps += kind == "decode graph"
+        if kind == "decode graph" and self.decode_steps > 100 and self.left_decode > 0:
+            self.left_decode -= 1
+            prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            prof.__enter__()
+        elif ready and self.left > 0:
             self.left -= 1
             prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             prof.__enter__()
@@ -79,7 +88,7 @@ class TimedRunner:
         start.record()
         if host is not None:
             host.enable()
-        result = self.execute(chunks, slices, rows)
+        result = self.execute(chunks, slices, rows, feed)
         if host is not None:
             host.disable()
         end.record()
@@ -123,6 +132,7 @@ def main() -> None:
     ap.add_argument("--spread", type=float, default=0.75)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--profiled", type=int, default=3, help="eager steps under torch.profiler")
+    ap.add_argument("--profiled-decode", type=int, default=0, help="decode-graph replays under torch.profiler")
     ap.add_argument("--cprofile", action="store_true", help="every other eager step under cProfile")
     ap.add_argument("--eager-prompts", action="store_true", help="prompt steps eagerly (no prompt graphs)")
     a = ap.parse_args()
@@ -132,7 +142,7 @@ def main() -> None:
     gs.drive(eng, load, load.params(cap=16), "cuda", "warm")
     if a.eager_prompts:
         eng.runner.chunk_graphs = None
-    timed = TimedRunner(eng.runner, a.profiled, a.cprofile)
+    timed = TimedRunner(eng.runner, a.profiled, a.cprofile, a.profiled_decode)
     eng.runner.execute = timed
     row = gs.drive(eng, load, load.params(), "cuda", "timed")
     print(f"SmolLM2 bf16, {a.kv} KV, {a.kv_memory_mib} MiB pool, {a.requests} requests (gpu_serving's load), "
