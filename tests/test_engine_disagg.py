@@ -23,10 +23,11 @@ def model_dir(tmp_path_factory):
     return str(d)
 
 
-def make(model: str, kv_dtype: str) -> LLMEngine:
+def make(model: str, kv_dtype: str, overlap: bool = False) -> LLMEngine:
+    """overlap: async scheduling (`engine/inflight.py`), as on a GPU."""
     return LLMEngine(EngineConfig(model=model, device="cpu",
                                   cache=CacheConfig(kv_cache_memory=2 << 20, kv_cache_dtype=kv_dtype),
-                                  scheduler=SchedulerConfig(max_num_batched_tokens=32)))
+                                  scheduler=SchedulerConfig(max_num_batched_tokens=32, async_scheduling=overlap)))
 
 
 def finish(eng: LLMEngine) -> dict:
@@ -39,15 +40,15 @@ def prefill(eng: LLMEngine, prompt: list[int], logprobs=None):
     return finish(eng)["p"]
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
-def test_prefill_export_import_resume_equals_one_engine(model_dir, kv_dtype):
+@pytest.mark.parametrize("kv_dtype,overlap", [("auto", False), ("fp8", False), ("auto", True)])
+def test_prefill_export_import_resume_equals_one_engine(model_dir, kv_dtype, overlap):
     prompt = random_prompts(1, 53, 53, seed=1)[0]  # 3 full blocks + 5 tail tokens
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=1)
     one = make(model_dir, kv_dtype)
     one.add_request("x", prompt, greedy)
     ref = finish(one)["x"].outputs[0]
 
-    a = make(model_dir, kv_dtype)
+    a = make(model_dir, kv_dtype, overlap)
     pre = prefill(a, prompt, logprobs=1)
     exp = pre.kv_export
     assert exp is not None and len(exp.blocks) == 3 and exp.tail_tokens == 5
@@ -58,7 +59,7 @@ def test_prefill_export_import_resume_equals_one_engine(model_dir, kv_dtype):
     first = pre.outputs[0].token_ids
     assert first == ref.token_ids[:1]
 
-    b = make(model_dir, kv_dtype)
+    b = make(model_dir, kv_dtype, overlap)
     assert b.import_blocks(exp.blocks) == 3
     assert b.import_blocks(exp.blocks) == 0  # already cached
     b.add_request("x", prompt, greedy, resume=ResumeState(first, exp.tail_tokens, exp.tail,
