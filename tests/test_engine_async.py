@@ -23,16 +23,18 @@ def model_dir(tmp_path_factory):
     return str(d)
 
 
-def make(model: str) -> LLMEngine:
+def make(model: str, overlap: bool = False) -> LLMEngine:
+    """overlap: async scheduling (`engine/inflight.py`), as on a GPU."""
     return LLMEngine(EngineConfig(model=model, device="cpu", cache=CacheConfig(kv_cache_memory=2 << 20),
-                                  scheduler=SchedulerConfig(max_num_batched_tokens=32)))
+                                  scheduler=SchedulerConfig(max_num_batched_tokens=32, async_scheduling=overlap)))
 
 
 async def collect(ae: AsyncEngine, rid: str, prompt, params) -> list:
     return [o async for o in ae.generate(rid, prompt, params)]
 
 
-async def test_concurrent_streams_match_the_sync_engine(model_dir):
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_concurrent_streams_match_the_sync_engine(model_dir, overlap):
     prompts = random_prompts(4, 5, 40, seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     sync = make(model_dir)
@@ -42,12 +44,13 @@ async def test_concurrent_streams_match_the_sync_engine(model_dir):
     while sync.has_unfinished():
         for o in sync.step():
             ref[o.request_id] = o.outputs[0].token_ids
-    ae = AsyncEngine(make(model_dir))
+    ae = AsyncEngine(make(model_dir, overlap))
     await ae.start()
     try:
         streams = await asyncio.gather(*(collect(ae, f"r{i}", p, params) for i, p in enumerate(prompts)))
     finally:
         await ae.stop()
+    assert (ae.engine.stats().async_steps > 0) == overlap
     for i, items in enumerate(streams):
         assert items[-1].finished and not any(o.finished for o in items[:-1])
         assert len(items) == 16  # one item per generated token
