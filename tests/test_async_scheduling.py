@@ -1,8 +1,8 @@
 """Async scheduling (`engine/inflight.py`) on a tiny random model on the CPU: each step launched
 before the last one's tokens are read back must give exactly what the synchronous engine gives
-(greedy and seeded draws, logprobs, logit bias, min_tokens, stop tokens and strings found a step late,
-n > 1 and penalties, which make a step wait, preemption, aborts), free every page, and compute no row for a sequence that its step
-in flight ends by length."""
+(greedy and seeded draws, logprobs, logit bias, min_tokens, penalties counting the token in flight,
+stop tokens and strings found a step late, n > 1, whose fork makes a step wait, preemption, aborts),
+free every page, and compute no row for a sequence that its step in flight ends by length."""
 from __future__ import annotations
 
 import pytest
@@ -64,6 +64,8 @@ def mixed_requests(model_dir: str) -> dict:
         "min": (prompts[0], SamplingParams(temperature=0.0, max_tokens=30, min_tokens=12,
                                            stop_token_ids=[stop_id], logprobs=1)),
         "pen": (prompts[5], greedy(14, repetition_penalty=1.3)),
+        "pf": (prompts[2], SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True,
+                                          presence_penalty=0.7, frequency_penalty=0.4)),
     }
 
 
@@ -76,9 +78,22 @@ def test_async_steps_give_what_synchronous_steps_give(model_dir):
     assert got["g0"].outputs[0].finish_reason == "stop" and got["g1"].outputs[0].finish_reason == "stop"
     st = eng.stats()
     assert len(got["min"].outputs[0].token_ids) >= 12 and len(got["lp"].outputs[0].logprobs[0].top) == 2
-    assert st.async_steps > 10  # most steps ran ahead (the penalties request's made some wait)
+    assert st.async_steps > 10
     assert st.kv_cache_usage == 0.0 and st.num_running == 0 and st.num_waiting == 0
     assert eng.has_unfinished() is False
+
+
+def test_every_step_runs_ahead_but_a_fork(model_dir):
+    reqs = {k: v for k, v in mixed_requests(model_dir).items() if k != "n2"}
+    eng = make(model_dir, True)
+    for rid, (prompt, params) in reqs.items():
+        eng.add_request(rid, prompt, params)
+    steps, computed = 0, 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += eng.stats().computed_tokens != computed
+        computed = eng.stats().computed_tokens
+    assert eng.stats().async_steps == steps > 10
 
 
 def test_deltas_add_up_to_the_completion(model_dir):

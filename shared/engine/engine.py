@@ -3,8 +3,8 @@
 Single-threaded by design (AsyncEngine runs it in one background thread). Per step: the scheduler
 picks sequences and token counts, the runner computes them, new full blocks enter the prefix cache,
 the sampler picks tokens, stop conditions are checked and finished sequences free their pages.
-With async scheduling (`inflight.py`) a step without penalties or prompt logprobs is launched before
-the step before it is read back, and that step's stop checks and outputs run while the GPU computes.
+With async scheduling (`inflight.py`) a step without prompt logprobs or a fork is launched before the
+step before it is read back, and that step's stop checks and outputs run while the GPU computes.
 """
 from __future__ import annotations
 
@@ -185,7 +185,7 @@ class LLMEngine:
             return []
         progressed: dict[str, Request] = {}
         plan = None if batch.empty else self._plan(batch)
-        rows = self._async_rows(plan) if plan is not None and self.async_scheduling else None
+        rows = self._async_rows(plan, prev) if plan is not None and self.async_scheduling else None
         if rows is not None:
             self._inflight = self._launch(batch, plan, rows, prev)
             plan = None
@@ -209,12 +209,12 @@ class LLMEngine:
         if plan.sample_seqs:
             self._sample(plan.sample_seqs, sample_logits, progressed)
 
-    def _async_rows(self, plan: StepPlan) -> Optional[list[SampleRow]]:
-        """The step's sampling rows where it can run ahead of the host (no prompt logprobs, no row with
-        penalties, no request still to fork), else None: it waits for the tokens before it."""
+    def _async_rows(self, plan: StepPlan, prev: Optional[InFlightStep]) -> Optional[list[SampleRow]]:
+        """The step's sampling rows where it can run ahead of the host (no prompt logprobs, no request
+        still to fork), else None: it waits for the tokens before it."""
         if plan.rows.prompt_rows:
             return None
-        rows = [self._sample_row(s) for s in plan.sample_seqs]
+        rows = [self._sample_row(s, prev) for s in plan.sample_seqs]
         if all(runs_ahead(r) for r in rows) and all(s.request.forked or s.params.n == 1 for s in plan.sample_seqs):
             return rows
         return None
@@ -332,12 +332,14 @@ class LLMEngine:
             self._append(seq, tok, lp)
             progressed[seq.request.request_id] = seq.request
 
-    def _sample_row(self, seq: Sequence) -> SampleRow:
+    def _sample_row(self, seq: Sequence, prev: Optional[InFlightStep] = None) -> SampleRow:
+        """prev: the step in flight, whose token for seq (if pending) penalties count on the device."""
         p = seq.params
         banned: tuple[int, ...] = ()
         if seq.num_output_tokens + seq.pending < p.min_tokens:  # the index of the token it samples
             banned = tuple(p.stop_token_ids or ()) + (() if p.ignore_eos else tuple(self._eos))
-        return SampleRow(p, seq.token_ids, seq.num_prompt_tokens, seq.generator, banned, seq.pending)
+        pending = prev.token_of(seq) if seq.pending and prev is not None and p.needs_penalties else None
+        return SampleRow(p, seq.token_ids, seq.num_prompt_tokens, seq.generator, banned, seq.pending, pending)
 
     def _append(self, seq: Sequence, tok: int, lp: Optional[TokenLogprob]) -> None:
         seq.append_tokens([tok])

@@ -56,6 +56,11 @@ class InFlightStep:
         tokens = self._host[0].tolist()
         return tokens, host_logprobs(self.rows, tokens, self._host[1:])
 
+    def token_of(self, seq: Sequence) -> torch.Tensor:
+        """[1] int64 on the device: what this step sampled for seq (a view, nothing waited for)."""
+        i = self._row_of[seq.seq_id]
+        return self.sample.token_ids[i:i + 1]
+
     def feed(self, rows: list[int], seqs: list[Sequence], device: torch.device) -> Optional[TokenFeed]:
         """The next step's feed: flat input row rows[i] takes the token this step sampled for seqs[i]."""
         if not rows:

@@ -30,6 +30,8 @@ class SampleRow:
     """Masked to -inf (EOS and stop ids while output is shorter than min_tokens)."""
     num_pending: int = 0
     """Tokens sampled by steps still in flight, not yet in token_ids (async scheduling)."""
+    pending_token: Optional[torch.Tensor] = None
+    """[1] int64 on the device: the pending token (num_pending 1), which penalties count too."""
 
     @property
     def num_output_tokens(self) -> int:
@@ -49,9 +51,9 @@ def _needs_processing(r: SampleRow) -> bool:
 
 
 def runs_ahead(r: SampleRow) -> bool:
-    """Whether the row samples without its sequence's latest tokens on the host (no penalties, which
-    count them): `Sampler.sample_on_device` takes it while the step before is still in flight."""
-    return not r.params.needs_penalties
+    """Whether the row can sample while the step before is in flight (`Sampler.sample_on_device`):
+    penalties count the sequence's tokens, so a pending one must be on the device (`pending_token`)."""
+    return not r.params.needs_penalties or r.num_pending == 0 or r.pending_token is not None
 
 
 @dataclass
@@ -82,18 +84,22 @@ def host_logprobs(rows: list[SampleRow], token_ids: list[int], host: tuple[torch
 
 
 def apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
-    """In place on one row [V]: repetition (prompt + output), presence and frequency (output)."""
+    """In place on one row [V]: repetition (prompt + output), presence and frequency (output), the
+    row's pending token counted too. No host sync: a mask and counts by scatter, where `unique` and
+    `bincount` would read their sizes back."""
     p = row.params
     V = logits.shape[-1]
     dev = logits.device
+    extra = () if row.pending_token is None else (row.pending_token,)
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(row.token_ids, dtype=torch.long, device=dev)
-        seen = seen.unique()
-        vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        seen = torch.zeros(V, dtype=torch.bool, device=dev)
+        seen[torch.cat((to_device(row.token_ids, dev),) + extra)] = True
+        logits.copy_(torch.where(seen, torch.where(logits > 0, logits / p.repetition_penalty,
+                                                   logits * p.repetition_penalty), logits))
     if (p.presence_penalty or p.frequency_penalty) and row.num_output_tokens:
-        out = torch.tensor(row.token_ids[row.num_prompt_tokens:], dtype=torch.long, device=dev)
-        counts = torch.bincount(out, minlength=V).to(logits.dtype)  # [V]
+        out = torch.cat((to_device(row.token_ids[row.num_prompt_tokens:], dev),) + extra)
+        counts = torch.zeros(V, dtype=logits.dtype, device=dev).index_add_(
+            0, out, torch.ones(out.shape[0], dtype=logits.dtype, device=dev))  # [V]
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
