@@ -18,14 +18,14 @@ from kvmesh.engine.detokenizer import Detokenizer
 from kvmesh.engine.inflight import InFlightStep
 from kvmesh.engine.outputs import ExportedBlock, KVExport, OutputKind, RequestOutput, ResumeState, TokenLogprob
 from kvmesh.engine.request_checks import RequestLimits, check_request
-from kvmesh.engine.runner import ModelRunner, StepPlan, StepRows
+from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.sampler import SampleRow, Sampler, prompt_logprobs, runs_ahead
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import ScheduledBatch, Scheduler, SchedulerLimits
 from kvmesh.engine.sequence import Request, Sequence
+from kvmesh.engine.step_plan import StepPlan, plan_step
 from kvmesh.engine.stats import EngineStats
 from kvmesh.hashing import HashContext
-from kvmesh.kernels.metadata import SeqSlice
 from kvmesh.kv.kv_cache_manager import KVCacheManager
 from kvmesh.model.config import model_identity
 from kvmesh.model.tokenizer import Tokenizer
@@ -184,7 +184,7 @@ class LLMEngine:
                                    "on an idle engine")
             return []
         progressed: dict[str, Request] = {}
-        plan = None if batch.empty else self._plan(batch)
+        plan = None if batch.empty else plan_step(batch)
         rows = self._async_rows(plan, prev) if plan is not None and self.async_scheduling else None
         if rows is not None:
             self._inflight = self._launch(batch, plan, rows, prev)
@@ -194,7 +194,7 @@ class LLMEngine:
             if plan is not None:  # this step samples from what prev sampled: plan it with those tokens
                 keep = [i for i, seq in enumerate(batch.seqs) if not seq.is_finished]
                 batch = ScheduledBatch([batch.seqs[i] for i in keep], [batch.num_new[i] for i in keep])
-                plan = None if batch.empty else self._plan(batch)
+                plan = None if batch.empty else plan_step(batch)
         if plan is not None:
             self._run(batch, plan, progressed)
         return [self._output(r) for r in progressed.values()
@@ -257,30 +257,6 @@ class LLMEngine:
                 self._prompt_tokens += seq.num_prompt_tokens
             seq.num_computed_tokens += n
             self._cache_full_blocks(seq)
-
-    def _plan(self, batch: ScheduledBatch) -> StepPlan:
-        plan = StepPlan([], StepRows([], []), [], [], [], [])
-        row = 0
-        for bi, (seq, n) in enumerate(zip(batch.seqs, batch.num_new)):
-            c = seq.num_computed_tokens
-            chunk = seq.token_ids[c:c + n]
-            if len(chunk) < n:  # its last token is pending: a placeholder the step's feed overwrites
-                plan.fed_rows.append(row + len(chunk))
-                plan.fed_seqs.append(seq)
-                chunk.append(0)
-            plan.chunks.append(chunk)
-            plan.slices.append(SeqSlice(c, n, seq.block_ids, seq.residual_slot))
-            req = seq.request
-            if req.prompt_logprobs is not None and seq.index == 0:
-                lo = max(c, len(req.prompt_logprobs) - 1)
-                hi = min(c + n, seq.num_prompt_tokens - 1)
-                if hi > lo:  # positions lo..hi-1 predict prompt tokens lo+1..hi
-                    plan.rows.prompt_rows.append((row + lo - c, hi - lo, bi))
-            if c + n == seq.num_tokens:
-                plan.sample_seqs.append(seq)
-                plan.rows.sample_rows.append(row + n - 1)
-            row += n
-        return plan
 
     def _add_prompt_logprobs(self, seq: Sequence, r0: int, cnt: int, logits: torch.Tensor) -> None:
         req = seq.request

@@ -51,21 +51,6 @@ class StepRows:
     """(first row, row count, sequence index in the batch) for prompt-logprob chunks."""
 
 
-@dataclass
-class StepPlan:
-    """One scheduled step, laid out for `ModelRunner.execute`."""
-
-    sample_seqs: list
-    """The sequences that sample a token (their rows: `rows.sample_rows`)."""
-    rows: StepRows
-    chunks: list[list[int]]
-    """Each sequence's new tokens (a pending one as a placeholder)."""
-    slices: list[SeqSlice]
-    fed_rows: list[int]
-    """Flat input rows whose token a step in flight sampled, with their sequences (`fed_seqs`)."""
-    fed_seqs: list
-
-
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, num_residual_slots: int) -> None:
         self.cfg = cfg
