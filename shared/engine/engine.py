@@ -3,8 +3,8 @@
 Single-threaded by design (AsyncEngine runs it in one background thread). Per step: the scheduler
 picks sequences and token counts, the runner computes them, new full blocks enter the prefix cache,
 the sampler picks tokens, stop conditions are checked and finished sequences free their pages.
-With async scheduling (`inflight.py`) a step without prompt logprobs or a fork is launched before the
-step before it is read back, and that step's stop checks and outputs run while the GPU computes.
+With async scheduling (`inflight.py`) a step without prompt logprobs is launched before the step
+before it is read back, and that step's stop checks and outputs run while the GPU computes.
 """
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ import torch
 
 from kvmesh.config import EngineConfig
 from kvmesh.engine.detokenizer import Detokenizer
+from kvmesh.engine.host_copies import to_device
 from kvmesh.engine.inflight import InFlightStep
 from kvmesh.engine.outputs import ExportedBlock, KVExport, OutputKind, RequestOutput, ResumeState, TokenLogprob
 from kvmesh.engine.request_checks import RequestLimits, check_request
 from kvmesh.engine.runner import ModelRunner
-from kvmesh.engine.sampler import SampleRow, Sampler, prompt_logprobs, runs_ahead
+from kvmesh.engine.sampler import SampleRow, Sampler, prompt_logprobs
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import ScheduledBatch, Scheduler, SchedulerLimits
 from kvmesh.engine.sequence import Request, Sequence
@@ -185,9 +186,8 @@ class LLMEngine:
             return []
         progressed: dict[str, Request] = {}
         plan = None if batch.empty else plan_step(batch)
-        rows = self._async_rows(plan, prev) if plan is not None and self.async_scheduling else None
-        if rows is not None:
-            self._inflight = self._launch(batch, plan, rows, prev)
+        if plan is not None and self.async_scheduling and not plan.rows.prompt_rows:
+            self._inflight = self._launch(batch, plan, prev)  # runs ahead of the host
             plan = None
         if prev is not None:
             self._retire(prev, progressed)
@@ -209,19 +209,9 @@ class LLMEngine:
         if plan.sample_seqs:
             self._sample(plan.sample_seqs, sample_logits, progressed)
 
-    def _async_rows(self, plan: StepPlan, prev: Optional[InFlightStep]) -> Optional[list[SampleRow]]:
-        """The step's sampling rows where it can run ahead of the host (no prompt logprobs, no request
-        still to fork), else None: it waits for the tokens before it."""
-        if plan.rows.prompt_rows:
-            return None
-        rows = [self._sample_row(s, prev) for s in plan.sample_seqs]
-        if all(runs_ahead(r) for r in rows) and all(s.request.forked or s.params.n == 1 for s in plan.sample_seqs):
-            return rows
-        return None
-
-    def _launch(self, batch: ScheduledBatch, plan: StepPlan, rows: list[SampleRow],
-                prev: Optional[InFlightStep]) -> Optional[InFlightStep]:
-        """Computes and samples a step on the device and starts reading its tokens back."""
+    def _launch(self, batch: ScheduledBatch, plan: StepPlan, prev: Optional[InFlightStep]) -> Optional[InFlightStep]:
+        """Computes and samples a step on the device and starts reading its tokens back. Everything a
+        row's draw needs is known without the tokens in flight (penalties count those on the device)."""
         feed = prev.feed(plan.fed_rows, plan.fed_seqs, self.runner.device) if prev is not None else None
         if plan.fed_rows and feed is None:
             raise RuntimeError("a pending token without a step in flight")  # a bug if hit
@@ -230,12 +220,14 @@ class LLMEngine:
         self._async_steps += 1
         if not plan.sample_seqs:
             return None
+        seqs, logits = self._with_forks(plan.sample_seqs, logits)
+        rows = [self._sample_row(s, prev) for s in seqs]
         sample = self.sampler.sample_on_device(logits, rows)
-        for seq in plan.sample_seqs:
+        for seq in seqs:
             seq.pending += 1
             seq.stops_after_pending = (seq.num_output_tokens + seq.pending >= seq.request.max_tokens
                                        or seq.num_tokens >= self.max_model_len)
-        return InFlightStep(plan.sample_seqs, rows, sample)
+        return InFlightStep(seqs, rows, sample)
 
     def _retire(self, step: InFlightStep, progressed: dict) -> None:
         """Takes a launched step's tokens as a synchronous step would have (stops, outputs)."""
@@ -290,7 +282,9 @@ class LLMEngine:
         req.forked = True
         return kids
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, progressed: dict) -> None:
+    def _with_forks(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+        """Forks requests whose prompt this step completes into their n completions: (every sequence
+        that samples, their logits rows [N', V], a child sampling from its parent's row)."""
         row_of: list[int] = []
         all_seqs: list[Sequence] = []
         for i, seq in enumerate(seqs):
@@ -301,7 +295,11 @@ class LLMEngine:
                     all_seqs.append(kid)
                     row_of.append(i)
         if len(all_seqs) != len(seqs):
-            logits = logits[row_of]
+            logits = logits[to_device(row_of, logits.device)]
+        return all_seqs, logits
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, progressed: dict) -> None:
+        all_seqs, logits = self._with_forks(seqs, logits)
         rows = [self._sample_row(s) for s in all_seqs]
         res = self.sampler(logits, rows)
         for seq, tok, lp in zip(all_seqs, res.token_ids, res.logprobs):

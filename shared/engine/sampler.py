@@ -50,12 +50,6 @@ def _needs_processing(r: SampleRow) -> bool:
     return bool(p.needs_penalties or r.banned_token_ids or p.logprobs is not None or p.logit_bias)
 
 
-def runs_ahead(r: SampleRow) -> bool:
-    """Whether the row can sample while the step before is in flight (`Sampler.sample_on_device`):
-    penalties count the sequence's tokens, so a pending one must be on the device (`pending_token`)."""
-    return not r.params.needs_penalties or r.num_pending == 0 or r.pending_token is not None
-
-
 @dataclass
 class DeviceSample:
     """A step's sampled tokens and logprobs, on the device (nothing waited for)."""
@@ -192,9 +186,9 @@ class Sampler:
 
     @torch.inference_mode()
     def sample_on_device(self, logits: torch.Tensor, rows: list[SampleRow]) -> DeviceSample:
-        """The tokens (and logprobs) `__call__` picks, for rows that run ahead (`runs_ahead`), left on
-        the device with nothing waited for: what an async step feeds its next step before the host
-        reads it back."""
+        """The tokens (and logprobs) `__call__` picks, left on the device with nothing waited for: what
+        an async step feeds its next step before the host reads it back (a row's pending token, which
+        penalties count, comes as `pending_token`)."""
         if all(r.params.temperature == 0.0 and not _needs_processing(r) for r in rows):
             return DeviceSample(greedy_ids(logits, self.native))
         ks = [r.params.logprobs for r in rows if r.params.logprobs is not None]
