@@ -67,8 +67,8 @@ def test_gpu_engine_greedy_parity_and_pool_sizing(tmp_path=None):
 @gpu
 def test_gpu_async_scheduling_matches_synchronous_steps(tmp_path=None):
     """Decode and prompt steps through their CUDA graphs, each launched before the last one's tokens
-    are read back: the same greedy and seeded tokens, penalties, logprobs, stop tokens found a step
-    late, as without."""
+    are read back: the same greedy and seeded tokens, penalties, logprobs, n = 2, stop tokens found a
+    step late, as without."""
     from kvmesh.config import CacheConfig, EngineConfig, SchedulerConfig
     from kvmesh.engine.engine import LLMEngine
     from kvmesh.engine.sampling_params import SamplingParams
@@ -84,7 +84,8 @@ def test_gpu_async_scheduling_matches_synchronous_steps(tmp_path=None):
             sp = SamplingParams(temperature=0.0 if i % 3 else 0.8, seed=i, max_tokens=20 + 3 * i, ignore_eos=True,
                                 stop_token_ids=None if stop_ids is None else [stop_ids[i]],
                                 repetition_penalty=1.2 if i % 4 == 1 else 1.0,
-                                frequency_penalty=0.5 if i % 4 == 2 else 0.0, logprobs=2 if i % 5 == 0 else None)
+                                frequency_penalty=0.5 if i % 4 == 2 else 0.0, logprobs=2 if i % 5 == 0 else None,
+                                n=2 if i % 6 == 3 else 1)
             eng.add_request(f"r{i}", p, sp)
         final = {}
         while eng.has_unfinished():
@@ -92,7 +93,8 @@ def test_gpu_async_scheduling_matches_synchronous_steps(tmp_path=None):
                 if o.finished:
                     lps = o.outputs[0].logprobs
                     final[o.request_id] = (o.outputs[0].token_ids, o.outputs[0].finish_reason,
-                                           None if lps is None else [round(t.logprob, 3) for t in lps])
+                                           None if lps is None else [round(t.logprob, 3) for t in lps],
+                                           [c.token_ids for c in o.outputs[1:]])  # n = 2: the second
         eng.kv.check_integrity()
         assert eng.stats().kv_cache_usage == 0.0
         return final, eng
@@ -103,7 +105,7 @@ def test_gpu_async_scheduling_matches_synchronous_steps(tmp_path=None):
     stops = [want[f"r{i}"][0][6] for i in range(len(prompts))]
     want, _ = run(False, stops)
     got, _ = run(True, stops)
-    assert got == want and sum(r == "stop" for _, r, _ in got.values()) >= len(prompts) // 2
+    assert got == want and sum(r == "stop" for _, r, _, _ in got.values()) >= len(prompts) // 2
 
 
 if __name__ == "__main__":
