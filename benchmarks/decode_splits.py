@@ -35,7 +35,8 @@ def main() -> None:
     kb.H, kb.KVH, kb.D = a.q_heads, a.kv_heads, a.head_dim  # module globals of kernels.py
     kb.DECODE_CASES = [tuple(int(x) for x in c.split("x")) for c in a.cases.split(",")]
     counts = [int(s) for s in a.splits.split(",")]
-    print(f"H {a.q_heads}, KVH {a.kv_heads}, D {a.head_dim}\n| case | kv | kernel | us | x SDPA |\n|---|---|---|---|---|")
+    print(f"H {a.q_heads}, KVH {a.kv_heads}, D {a.head_dim}")
+    print("| case | kv | kernel | us | x SDPA |\n|---|---|---|---|---|")
     for case, t_sdpa, kv, (cache, meta, q, kn, vn) in kb.decode_problems(a.dtypes.split(","), a.reps):
         scale = a.head_dim ** -0.5
         direct = decode_int4_direct if kv == "int4" else decode_direct

@@ -73,7 +73,8 @@ def host_logprobs(rows: list[SampleRow], token_ids: list[int], host: tuple[torch
     out: list[Optional[TokenLogprob]] = []
     for i, r in enumerate(rows):
         k = r.params.logprobs
-        out.append(None if k is None else TokenLogprob(token_ids[i], chosen[i], list(zip(top_i[i][:k], top_v[i][:k]))))
+        top = None if k is None else list(zip(top_i[i][:k], top_v[i][:k]))
+        out.append(None if top is None else TokenLogprob(token_ids[i], chosen[i], top))
     return out
 
 
