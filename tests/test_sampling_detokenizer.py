@@ -53,3 +53,25 @@ def test_running_text_holds_back_a_possible_stop_prefix(tok):
         assert d.add_token(t) is None
     assert d.text == "abc STOPW"
     assert d.visible_text(False) == d.text[:len(d.text) - len("STOPWORD") + 1]
+
+
+class _DecodeOnly:
+    """The tokenizer without its `tokenizers` backend: the detokenizer's two-decode path."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.decode = tok.decode
+
+
+def test_decode_stream_and_two_decodes_agree_token_by_token(tok):
+    prompt = tok.encode("Say something:")
+    ids = tok.encode(" " + TEXT + " " + TEXT[::-1], add_special_tokens=False)
+    fast, slow = (Detokenizer(t, prompt, ["km² —"], False, True) for t in (tok, _DecodeOnly(tok)))
+    assert fast._stream is not None and slow._stream is None
+    for t in ids:
+        assert fast.add_token(t) == slow.add_token(t)
+        assert fast.text == slow.text
+    fast.flush(), slow.flush()
+    assert fast.text == slow.text
+    resumed = Detokenizer(tok, prompt, None, False, True)
+    resumed.reset_from(prompt, ids[:40])
+    assert resumed.text == tok.decode(ids[:40])[:len(resumed.text)] and resumed._stream is not None

