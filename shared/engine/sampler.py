@@ -65,8 +65,8 @@ class DeviceSample:
 
 
 def host_logprobs(rows: list[SampleRow], token_ids: list[int], host: tuple[torch.Tensor, ...]) -> list:
-    """A DeviceSample's logprobs read back (`host`: its `tensors()[1:]` on the host), per row as
-    `Sampler.__call__` gives them: a TokenLogprob with the row's k best, or None."""
+    """A DeviceSample's logprobs read back (`host`: its `tensors()[1:]`, copied to the host or read
+    where they are), per row: a TokenLogprob with the row's k best, or None."""
     if not host:
         return [None] * len(rows)
     chosen, top_v, top_i = (t.tolist() for t in host)
@@ -163,33 +163,16 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         """logits [N, V] float32 or the model dtype (the greedy fast path reads those directly: the
         same argmax, as float32 holds every bf16 / fp16 value), one row per entry of `rows`."""
-        N = len(rows)
-        # Fast path: a batch of plain greedy rows needs one argmax and no Python per row.
-        if all(r.params.temperature == 0.0 and not _needs_processing(r) for r in rows):
-            return SampleResult(greedy_ids(logits, self.native).tolist(), [None] * N)
-
-        want_lp = [r.params.logprobs is not None for r in rows]
-        logits = logits.clone() if logits.dtype == torch.float32 else logits.float()  # ours to change
-        raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None  # [N, V]
-        self._process(logits, rows)
-        chosen = self._choose(logits, rows)
-
-        lps: list[Optional[TokenLogprob]] = [None] * N
-        if raw_lp is not None:
-            idx = [i for i in range(N) if want_lp[i]]
-            ks = {rows[i].params.logprobs for i in idx}
-            for k in ks:
-                sel = [i for i in idx if rows[i].params.logprobs == k]
-                si = torch.tensor(sel, device=logits.device)
-                for i, t in zip(sel, _top_logprobs(raw_lp[si], chosen[si], k)):
-                    lps[i] = t
-        return SampleResult(chosen.tolist(), lps)
+        sample = self.sample_on_device(logits, rows)
+        tokens = sample.token_ids.tolist()
+        return SampleResult(tokens, host_logprobs(rows, tokens, sample.logprobs or ()))
 
     @torch.inference_mode()
     def sample_on_device(self, logits: torch.Tensor, rows: list[SampleRow]) -> DeviceSample:
-        """The tokens (and logprobs) `__call__` picks, left on the device with nothing waited for: what
-        an async step feeds its next step before the host reads it back (a row's pending token, which
+        """The tokens (and logprobs) of `__call__`, left on the device with nothing waited for: what an
+        async step feeds its next step before the host reads it back (a row's pending token, which
         penalties count, comes as `pending_token`)."""
+        # Fast path: a batch of plain greedy rows needs one argmax and no Python per row.
         if all(r.params.temperature == 0.0 and not _needs_processing(r) for r in rows):
             return DeviceSample(greedy_ids(logits, self.native))
         ks = [r.params.logprobs for r in rows if r.params.logprobs is not None]
