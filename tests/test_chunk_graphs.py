@@ -15,6 +15,7 @@ import torch
 from kvmesh.engine import chunk_graphs
 from kvmesh.engine.chunk_batch import ChunkBatch, ChunkShape
 from kvmesh.engine.chunk_graphs import ChunkGraphs, token_buckets
+from kvmesh.engine.inflight import TokenFeed
 from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata, build_write_plan
 from kvmesh.kernels.torch_ref import TorchBackend
 from kvmesh.kv.layout import BlockLayout
@@ -65,6 +66,10 @@ def test_chunk_batch_matches_the_per_step_write_plan():
     # keys of each tile's last row: (3, 0) 48, (1, 4) and (2, 2) 40, (2, 1) 36, (1, 3) 32, ...
     assert tiles == [(3, 0), (1, 4), (2, 2), (2, 1), (1, 3), (2, 0), (1, 2), (0, 0), (1, 1), (1, 0)]
     assert meta.tiles.shape[0] == 64 // 8 + 6 and meta.max_query_len == 64
+    # async scheduling: a decode row's token still on the device takes its placeholder's row
+    batch.fill([[0], list(range(40)), list(range(20)), [2]], seqs, [0, 40, 60, 61],
+               feed=TokenFeed(torch.tensor([0]), torch.tensor([77])))
+    assert batch.input_ids[:2].tolist() == [77, 0] and batch.input_ids[61].item() == 2
     batch.fill([[5]], [SeqSlice(3, 1, [4], 3)], [0])  # a smaller step: the rest is padding again
     assert meta.write.block_ids.eq(-1).all() and meta.residual_slots.tolist() == [3, 4, 4, 4, 4, 4]
     assert [e for e in meta.tiles.tolist() if e >= 0] == [0]

@@ -15,6 +15,7 @@ import torch
 
 from kvmesh.engine.decode_batch import DecodeBatch, DecodeShape
 from kvmesh.engine.decode_graphs import DecodeGraphs, batch_sizes, context_bucket
+from kvmesh.engine.inflight import TokenFeed
 from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata
 from kvmesh.kernels.torch_ref import TorchBackend
 from kvmesh.kv.layout import BlockLayout
@@ -53,6 +54,9 @@ def test_decode_batch_write_plan_rows():
     assert meta.write.residual_src.tolist() == [new_base + i for i in range(4)]
     assert meta.write.residual_dst.tolist() == [2 * BS + 15, 0 * BS + 4, 1 * BS + 15, 4 * BS]
     assert batch.input_ids.tolist() == [11, 12, 13, 0] and batch.positions.tolist() == [15, 20, 47, 0]
+    # async scheduling: rows whose token is still on the device take it over their placeholders
+    batch.fill([11, 0, 0], seqs, feed=TokenFeed(torch.tensor([2, 1]), torch.tensor([42, 41])))
+    assert batch.input_ids.tolist() == [11, 41, 42, 0]
     batch.fill([5], [SeqSlice(3, 1, [4], 3)])  # a smaller step: the rows it left are padding again
     assert meta.prefix_lens.tolist() == [3, 0, 0, 0] and meta.write.block_ids.tolist() == [-1] * 4
     assert meta.residual_slots.tolist() == [3, 4, 4, 4]

@@ -17,6 +17,7 @@ pages in place; no page is staged (a graph cannot size the workspace).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,6 +25,9 @@ import torch
 from kvmesh.kernels.backend import AttentionMetadata, WritePlan
 from kvmesh.kernels.metadata import SeqSlice
 from kvmesh.kernels.tile_order import tile_list
+
+if TYPE_CHECKING:
+    from kvmesh.engine.inflight import TokenFeed
 
 
 @dataclass(frozen=True)
@@ -82,9 +86,11 @@ class ChunkBatch:
          self._block_rows) = _parts(self._dev64, self._sizes64)
         self.fill([], [], [])
 
-    def fill(self, chunks: list[list[int]], seqs: list[SeqSlice], sample_rows: list[int]) -> None:
+    def fill(self, chunks: list[list[int]], seqs: list[SeqSlice], sample_rows: list[int],
+             feed: TokenFeed | None = None) -> None:
         """Stages one step (chunks[i]: sequence i's new tokens, laid out in order; `sample_rows`: the
-        rows that get logits) and copies it to the device buffers, in stream order."""
+        rows that get logits) and copies it to the device buffers, in stream order. `feed`: tokens
+        still on the device, written over their rows' placeholders after the copy."""
         s = self.shape
         t, n, w, bs = s.tokens, s.rows, s.table_width, s.block_size
         b = len(seqs)
@@ -145,6 +151,8 @@ class ChunkBatch:
         self._dev32.copy_(self._host32, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+        if feed is not None:
+            feed.apply(self.input_ids)
 
     def metadata(self) -> AttentionMetadata:
         """The step's metadata over the device buffers (the kernels see the bucket's shapes only)."""

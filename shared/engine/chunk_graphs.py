@@ -92,21 +92,14 @@ class ChunkGraphs:
         batch = self._batch(bucket)
         n = len(sample_rows)
         if not self.capture:
-            self._fill(batch, chunks, seqs, sample_rows, feed)
+            batch.fill(chunks, seqs, sample_rows, feed)
             return self._forward(batch)[:n]
         if bucket not in self._graphs and not self._capture(batch, bucket):
             return None
-        self._fill(batch, chunks, seqs, sample_rows, feed)
+        batch.fill(chunks, seqs, sample_rows, feed)
         self._graphs[bucket].replay()
         self.replays += 1
         return self._logits[:n].clone()  # the next replay of any graph overwrites the buffer
-
-    @staticmethod
-    def _fill(batch: ChunkBatch, chunks: list[list[int]], seqs: list[SeqSlice], sample_rows: list[int],
-              feed: TokenFeed | None) -> None:
-        batch.fill(chunks, seqs, sample_rows)
-        if feed is not None:
-            feed.apply(batch.input_ids)
 
     def _batch(self, bucket: int) -> ChunkBatch:
         if bucket not in self._batches:

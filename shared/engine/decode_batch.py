@@ -17,6 +17,7 @@ to its context, padding rows one unit each, spare units to the end.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,6 +25,9 @@ import torch
 from kvmesh.kernels.backend import AttentionMetadata, WritePlan
 from kvmesh.kernels.metadata import SeqSlice
 from kvmesh.kernels.work_list import WorkPlan, fill_fixed
+
+if TYPE_CHECKING:
+    from kvmesh.engine.inflight import TokenFeed
 
 
 @dataclass(frozen=True)
@@ -64,11 +68,13 @@ class DecodeBatch:
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self.fill([], [])
 
-    def fill(self, tokens: list[int], seqs: list[SeqSlice], work_splits: int = 0) -> None:
+    def fill(self, tokens: list[int], seqs: list[SeqSlice], work_splits: int = 0,
+             feed: TokenFeed | None = None) -> None:
         """Stages one decode step (tokens[i]: sequence i's new token) and copies it to the device
         buffers, in stream order: the kernels queued before it have read the previous step's.
         `work_splits` > 0: the work list too, at that many splits of the longest context (the caller
-        chose them to fit, `work_list.fixed_splits`)."""
+        chose them to fit, `work_list.fixed_splits`). `feed`: tokens still on the device, written
+        over their rows' placeholders after the copy."""
         n, w, bs, u = self.shape.rows, self.shape.table_width, self.shape.block_size, self.shape.work_units
         b = len(seqs)
         if b > n:
@@ -108,6 +114,8 @@ class DecodeBatch:
         self._dev32[:end].copy_(self._host32[:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+        if feed is not None:
+            feed.apply(self.input_ids)
 
     def metadata(self, max_prefix_len: int, work: bool = False) -> AttentionMetadata:
         """The step's metadata over the device buffers; `max_prefix_len` is what the kernels' split

@@ -114,22 +114,15 @@ class DecodeGraphs:
         batch = self._batch(n)
         work = self.ragged_splits(seqs, n, ctx)
         if not self.capture:
-            self._fill(batch, tokens, seqs, work, feed)
+            batch.fill(tokens, seqs, work, feed)
             return self._forward(batch, ctx, work > 0)[:b]
         key = (n, ctx, work > 0)
         if key not in self._graphs and not self._capture(batch, n, ctx, work):
             return None
-        self._fill(batch, tokens, seqs, work, feed)
+        batch.fill(tokens, seqs, work, feed)
         self._graphs[key].replay()
         self.replays += 1
         return self._logits[:b].clone()  # the next replay of any graph overwrites the buffer
-
-    @staticmethod
-    def _fill(batch: DecodeBatch, tokens: list[int], seqs: list[SeqSlice], work: int,
-              feed: TokenFeed | None) -> None:
-        batch.fill(tokens, seqs, work)
-        if feed is not None:
-            feed.apply(batch.input_ids)
 
     def ragged_splits(self, seqs: list[SeqSlice], n: int, ctx: int) -> int:
         """Splits of the longest sequence in the work list of a ragged graph, where that gives it
