@@ -3,9 +3,8 @@
 Decoding only the newest tokens against a few tokens of context keeps each step O(1) in the
 sequence length, while multi-byte characters split across tokens are held back until complete.
 With a `tokenizers` backend the decoding runs in `tokenizers.decoders.DecodeStream` (the same
-prefix/read-offset scheme, one call a token: 1.1-1.5 against 2.3 µs a token for SmolLM2's tokenizer,
-`benchmarks/detokenize.py`);
-the offsets are kept here too, for `flush` and for a stream that fails.
+prefix/read-offset scheme, one call a token: 1.1-1.5 against 2.3 µs for SmolLM2's tokenizer,
+`benchmarks/detokenize.py`); the offsets are kept here too, for `flush` and a stream that fails.
 """
 from __future__ import annotations
 
@@ -72,18 +71,21 @@ class Detokenizer:
         self.text += delta
         return self._check_stop(start)
 
+    def _windows(self) -> tuple[str, str]:
+        """(text up to the read offset, text up to the last token), both from the prefix offset."""
+        prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
+        return prefix, self._tok.decode(self._ids[self._prefix_offset:], self._skip)
+
     def _delta(self) -> Optional[str]:
         """The text the last token completes (two decodes over the offsets), or None."""
-        prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
-        full = self._tok.decode(self._ids[self._prefix_offset:], self._skip)
+        prefix, full = self._windows()
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None
         return full[len(prefix):]
 
     def flush(self) -> None:
         """At the end: emit bytes held back as an incomplete character (they will not complete)."""
-        prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
-        full = self._tok.decode(self._ids[self._prefix_offset:], self._skip)
+        prefix, full = self._windows()
         if len(full) > len(prefix):
             start = len(self.text)
             self.text += full[len(prefix):]
