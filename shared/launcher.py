@@ -104,8 +104,10 @@ class StackConfig:
             engine.append("--enforce-eager")
         if args.enable_prefix_caching is not None:
             engine.append("--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching")
-        if getattr(args, "async_scheduling", None) is not None:
-            engine.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
+        for name in ("async_scheduling", "fuse_norm_linears"):  # on/off flags left to the workers' default
+            value = getattr(args, name, None)
+            if value is not None:
+                engine.append(("--" if value else "--no-") + name.replace("_", "-"))
         extra = tuple((role, tuple(shlex.split(getattr(args, f"{role}_args") or "")))
                       for role in ("kvstore", "prefill", "decode", "gateway"))
         return StackConfig(
@@ -141,6 +143,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="workers launch each step before the last one's tokens are read back (default: on a GPU)")
+    p.add_argument("--fuse-norm-linears", action=argparse.BooleanOptionalAction, default=None,
+                   help="workers on a GPU run RMSNorm, the GEMM and RoPE / SiLU as one kernel (default: on)")
     p.add_argument("--redis-url", default=None, help="prefix index in Redis; default one in-memory index process")
     p.add_argument("--host", default=d.host, help="address the gateway binds")
     p.add_argument("--port", type=int, default=d.port, help="gateway HTTP port (0 = any free port)")

@@ -60,6 +60,8 @@ class ModelRunner:
         self.model.eval()
         if self.device.type == "cpu":
             self.model.pack_for_cpu()  # fp32 only; a no-op elsewhere
+        elif cfg.fuse_norm_linears:
+            self.model.fuse_norm_linears()  # before any CUDA graph is captured
         mc = self.model_config
         kv_dtype = canonical_kv_dtype(cfg.cache.kv_cache_dtype, _NAMES[self.dtype])
         self.layout = BlockLayout(num_layers=mc.num_layers, kv_heads=mc.num_kv_heads,

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmesh.kernels import gated_silu as gated_silu_kernel
+from kvmesh.kernels import norm_linear
 from kvmesh.kernels.backend import AttentionBackend, AttentionMetadata
 from kvmesh.kernels.cpu_native import NativeKernels
 from kvmesh.kernels.cpu_native import load as load_native
@@ -55,10 +56,25 @@ class Attention(nn.Module):
         self.scale = self.d ** -0.5
         self.key_center: torch.Tensor | None = None  # [KVH, D], see kvmesh.model.key_centers
         self.native: NativeKernels | None = None  # set by pack_for_cpu for bf16: the C RoPE
+        self.fused = False  # set by fuse_norm_linears: norm, qkv GEMM and RoPE in one kernel (GPU)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
-        """x: normed hidden [T, hidden] -> residual + attention output [T, hidden]."""
+        """x: the layer's input [T, hidden] -> x + attention(norm(x)) [T, hidden] (in x's storage on a GPU)."""
+        T = x.shape[0]
+        if self.fused and norm_linear.takes(x, self.qkv_proj.weight):
+            qkv = norm_linear.norm_qkv_rope(x, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias,
+                                            cos, sin, self.h, self.kvh, self.key_center)  # [T, H + 2 KVH, D]
+            q, k, v = qkv[:, :self.h], qkv[:, self.h:self.h + self.kvh], qkv[:, self.h + self.kvh:]
+        else:
+            q, k, v = self._project(norm(x), cos, sin)
+        out = backend.attend(cache, self.layer, q, k, v, meta, self.scale)  # [T, H, D]
+        backend.write(cache, self.layer, k, v, meta)
+        return _add_linear(x, self.o_proj, out.reshape(T, self.h * self.d))
+
+    def _project(self, x: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: normed hidden [T, hidden] -> q [T, H, D], k, v [T, KVH, D]; q and k rotated."""
         T = x.shape[0]
         qkv = self.qkv_proj(x).view(T, self.h + 2 * self.kvh, self.d)  # [T, H + 2 KVH, D]
         # one rotation for q and k together (fewer kernel launches per layer); with key centers
@@ -69,11 +85,7 @@ class Attention(nn.Module):
                 qk = center_keys(qk, self.key_center)
         else:
             qk = RotaryEmbedding.apply(qkv[:, :self.h + self.kvh], cos, sin, self.key_center)  # [T, H + KVH, D]
-        q, k = qk[:, :self.h], qk[:, self.h:]  # [T, H, D], [T, KVH, D]
-        v = qkv[:, self.h + self.kvh:]  # [T, KVH, D]
-        out = backend.attend(cache, self.layer, q, k, v, meta, self.scale)  # [T, H, D]
-        backend.write(cache, self.layer, k, v, meta)
-        return _add_linear(residual, self.o_proj, out.reshape(T, self.h * self.d))
+        return qk[:, :self.h], qk[:, self.h:], qkv[:, self.h + self.kvh:]
 
 
 def _add_linear(residual: torch.Tensor, lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -104,13 +116,17 @@ class MLP(nn.Module):
         self.inter = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
+        self.fused = False  # set by fuse_norm_linears: norm, gate/up GEMM and SiLU in one kernel (GPU)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """x: normed hidden [T, hidden] -> residual + MLP(x) [T, hidden]."""
-        silu_mul = getattr(self.gate_up_proj, "silu_mul", None)  # a PackedGateUp (bf16 on the CPU)
+    def forward(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """x: the layer's stream [T, hidden] -> x + MLP(norm(x)) [T, hidden]."""
+        gate_up = self.gate_up_proj
+        if self.fused and isinstance(gate_up, nn.Linear) and norm_linear.takes(x, gate_up.weight):
+            return _add_linear(x, self.down_proj, norm_linear.norm_gate_up(x, norm.weight, norm.eps, gate_up.weight))
+        silu_mul = getattr(gate_up, "silu_mul", None)  # a PackedGateUp (bf16 on the CPU)
         if silu_mul is not None:
-            return _add_linear(residual, self.down_proj, silu_mul(x))
-        return _add_linear(residual, self.down_proj, _gated_silu(self.gate_up_proj(x), self.inter))
+            return _add_linear(x, self.down_proj, silu_mul(norm(x)))
+        return _add_linear(x, self.down_proj, _gated_silu(gate_up(norm(x)), self.inter))
 
 
 class DecoderLayer(nn.Module):
@@ -123,8 +139,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
-        x = self.self_attn(self.input_layernorm(x), x, cos, sin, meta, cache, backend)
-        return self.mlp(self.post_attention_layernorm(x), x)
+        x = self.self_attn(self.input_layernorm, x, cos, sin, meta, cache, backend)
+        return self.mlp(self.post_attention_layernorm, x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -161,6 +177,13 @@ class LlamaForCausalLM(nn.Module):
             w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             logits = F.linear(hidden, w)
         return logits.float() if upcast else logits
+
+    def fuse_norm_linears(self, on: bool = True) -> None:
+        """On a GPU, each layer's RMSNorm + qkv GEMM + RoPE and RMSNorm + gate/up GEMM + SiLU run as
+        one kernel each at decode batch sizes (`kernels/norm_linear.py`); larger batches, other
+        devices and fp32 keep the unfused path. Capture CUDA graphs after the call."""
+        for layer in self.layers:
+            layer.self_attn.fused = layer.mlp.fused = on
 
     def set_key_centers(self, centers: torch.Tensor | None) -> None:
         """Subtract centers[layer] [KVH, D] from every post-RoPE key (None: off); see key_centers.py."""
