@@ -38,6 +38,9 @@ def test_env_lists_bools_and_choices():
     assert args.kv_cache_dtype == "int8"
     args, _ = _parse("up", [], {"KVMESH_ENABLE_PREFIX_CACHING": "false", "KVMESH_NUM_DECODE": "3"})
     assert args.enable_prefix_caching is False and args.num_decode == 3
+    up = StackConfig.from_args(_parse("up", ["--no-fuse-norm-linears", "--async-scheduling"], {})[0])
+    assert "--no-fuse-norm-linears" in up.engine_flags and "--async-scheduling" in up.engine_flags
+    assert not any("fuse" in f for f in StackConfig.from_args(_parse("up", [], {})[0]).engine_flags)
     args, _ = _parse("prefill", [], {"KVMESH_ENABLE_PREFIX_CACHING": "no", "KVMESH_KVSTORE": "a:1,b:2"})
     assert args.enable_prefix_caching is False and args.kvstore == ["a:1", "b:2"]
 
@@ -78,7 +81,7 @@ def test_up_builds_command_lines_the_services_accept():
     cfg = StackConfig(model="smollm2", kv_cache_dtype="fp8", block_size=32, num_prefill=2, num_decode=1,
                       num_kvstore=2, api_key="k-" + str(random.getrandbits(32)), port=0,
                       engine_flags=("--max-num-seqs", "8", "--dtype", "fp32", "--no-enable-prefix-caching",
-                                    "--no-async-scheduling"),
+                                    "--no-async-scheduling", "--no-fuse-norm-linears"),
                       extra_args=(("decode", ("--lease-seconds", "7")),))
     stack = Stack(cfg)
     waves = stack._plan()
@@ -99,6 +102,7 @@ def test_up_builds_command_lines_the_services_accept():
         assert (w.engine.cache.kv_cache_dtype, w.engine.cache.block_size) == ("fp8", 32)
         assert w.engine.scheduler.max_num_seqs == 8 and w.engine.dtype == "fp32"
         assert w.engine.cache.enable_prefix_caching is False and w.engine.scheduler.async_scheduling is False
+        assert w.engine.fuse_norm_linears is False
         assert f"{w.host}:{w.port}" == next(p.health for wv in waves for p in wv if p.name == name)
     assert configs["decode-0"].lease_seconds == 7 and configs["prefill-0"].lease_seconds != 7
     gw = configs["gateway"]
