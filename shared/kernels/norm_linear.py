@@ -14,10 +14,13 @@ rows lie a fixed distance apart, so the epilogue combines them in registers:
   out2 = acc2 cos + acc1 sin (heads past the keys, the values, are stored as they are);
 - the gated SiLU pairs gate channel i with up channel I + i: out = silu(acc1) * acc2.
 
-The norm: a first pass over x's row sums the squares (fp32), the main loop scales each loaded
-tile by rstd and the norm's weight and rounds it to x's dtype before the dot, which is what
-`F.rms_norm` hands a GEMM. The accumulators stay fp32 through the epilogue and are rounded once
-(the unfused path rounds the GEMM's output, then RoPE's or the SiLU's).
+The norm in the same loop: each loaded x tile adds its squares to the rows' sums (fp32) and, times
+the norm's weight and rounded to x's dtype, feeds the dot; the rows' 1 / rms scales the fp32
+accumulators after the loop (a scale per row commutes with the GEMM; a first pass for the sums
+would be a second chain of dependent loads). The rows are rounded unscaled, x times the weight
+(fp16: finite while the residual stream is), where the unfused path rounds them scaled; the
+accumulators stay fp32 through the epilogue and are rounded once (the unfused path rounds the
+GEMM's output, then RoPE's or the SiLU's).
 Tiles by batch size (`_tiles`) were chosen from `benchmarks/norm_linear.py` on the H200.
 """
 from __future__ import annotations
@@ -33,6 +36,7 @@ from kvmesh.kernels.formats import to_bf16_rne
 
 ROPE, SILU = 0, 1
 MAX_ROWS = 256  # the largest decode batch the tiles were measured at; larger batches take cuBLAS
+MAX_HIDDEN = 2048  # a longer reduction loses to cuBLAS (Llama-3-8B's 4,096: 0.12-0.66x the unfused time)
 
 
 @triton.jit
@@ -46,7 +50,7 @@ def _round(x, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
 @triton.jit
 def _norm_linear_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, cos_ptr, sin_ptr, center_ptr,
                         M, K, eps, stride_xm, stride_om, stride_cos, stride_sin, pair_rows, rotated_heads,
-                        key_head0, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, CENTER: tl.constexpr,
+                        key_head0, IS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, CENTER: tl.constexpr,
                         D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         DOT: tl.constexpr, SOFT_BF16: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -56,17 +60,9 @@ def _norm_linear_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, cos_ptr, si
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
     kk = tl.arange(0, BK)  # [BK]
 
-    # pass 1: the rows' mean square (fp32)
-    sumsq = tl.zeros([BM], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        k_ok = (k0 + kk) < K
-        x = tl.load(x_rows + (k0 + kk)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        sumsq += tl.sum(x * x, axis=1)
-    rstd = 1.0 / tl.sqrt(sumsq / K + eps)  # [BM]
-
     # the program's two weight tiles: rows r1 + n and r1 + pair_rows + n
     n = tl.arange(0, BN)  # [BN]
-    if EPILOGUE == ROPE:
+    if IS_ROPE:
         tiles = (D // 2) // BN  # a head's first half in BN-channel tiles
         head = pid_n // tiles
         half_col = (pid_n % tiles) * BN + n  # [BN] channel within the first half
@@ -78,16 +74,21 @@ def _norm_linear_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, cos_ptr, si
     r2 = r1 + pair_rows
     acc1 = tl.zeros([BM, BN], dtype=tl.float32)
     acc2 = tl.zeros([BM, BN], dtype=tl.float32)
+    sumsq = tl.zeros([BM], dtype=tl.float32)
     for k0 in range(0, K, BK):
         k_ok = (k0 + kk) < K
-        x = tl.load(x_rows + (k0 + kk)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_rows + (k0 + kk)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        sumsq += tl.sum(x * x, axis=1)
         g = tl.load(norm_w_ptr + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
-        a = _round(x.to(tl.float32) * rstd[:, None] * g[None, :], x_ptr.dtype.element_ty, SOFT_BF16).to(DOT)
+        a = _round(x * g[None, :], x_ptr.dtype.element_ty, SOFT_BF16).to(DOT)  # [BM, BK], the row's scale after
         w_mask = k_ok[:, None] & n_ok[None, :]
         b1 = tl.load(w_ptr + r1.to(tl.int64)[None, :] * K + (k0 + kk)[:, None], mask=w_mask, other=0.0)
         b2 = tl.load(w_ptr + r2.to(tl.int64)[None, :] * K + (k0 + kk)[:, None], mask=w_mask, other=0.0)
         acc1 = tl.dot(a, b1.to(DOT), acc1)  # [BM, BN]
         acc2 = tl.dot(a, b2.to(DOT), acc2)
+    rstd = 1.0 / tl.sqrt(sumsq / K + eps)  # [BM]: RMSNorm's row scale commutes with the GEMM
+    acc1 *= rstd[:, None]
+    acc2 *= rstd[:, None]
     if HAS_BIAS:
         acc1 += tl.load(bias_ptr + r1, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         acc2 += tl.load(bias_ptr + r2, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -95,7 +96,7 @@ def _norm_linear_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, cos_ptr, si
     out_t = out_ptr.dtype.element_ty
     out_rows = out_ptr + rows.to(tl.int64)[:, None] * stride_om  # [BM, 1]
     mask = row_ok[:, None] & n_ok[None, :]
-    if EPILOGUE == ROPE:
+    if IS_ROPE:
         if head < rotated_heads:  # q and k; cos[c] = cos[c + D/2] (HF's duplicated halves)
             cos = tl.load(cos_ptr + rows.to(tl.int64)[:, None] * stride_cos + half_col[None, :], mask=mask,
                           other=0.0).to(tl.float32)
@@ -131,17 +132,23 @@ class Tiles:
 
 
 def _tiles(M: int, epilogue: int, half: int) -> Tiles:
-    """The tile shape for M rows (see the module docstring: measured on the H200)."""
-    bm = min(128, max(16, triton.next_power_of_2(M)))
-    return Tiles(bm=bm, bn=min(16 if bm >= 64 else 32, half) if epilogue == ROPE else (16 if bm >= 64 else 32))
+    """The tile shape for M rows. Small row tiles at every M: the programs are latency bound (a
+    chain of 9 dependent loads at K 576), so more of them in flight win over fewer reads of the
+    weights, which L2 serves again (H200: 16 rows, 32 channels fastest at 8-256 rows)."""
+    return Tiles(bm=16, bn=min(32, half), stages=4 if M <= 16 else 3)
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the fused kernels serve x [T, K] against weight [N, K]: a GPU (or the interpreter),
-    fp16 / bf16, contiguous channels and weight, and a decode-sized batch."""
+    """Whether the model should fuse x [T, K] against weight [N, K]: kernels that can read them,
+    a decode-sized batch, and a reduction short enough to beat cuBLAS."""
+    return _reads(x, weight) and x.shape[0] <= MAX_ROWS and x.shape[1] <= MAX_HIDDEN
+
+
+def _reads(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A GPU (or the interpreter), fp16 / bf16, contiguous channels and weight, rows to compute."""
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     return ((x.is_cuda or interpret) and x.dtype in (torch.float16, torch.bfloat16) and x.dim() == 2
-            and 0 < x.shape[0] <= MAX_ROWS and x.stride(1) == 1 and weight.is_contiguous()
+            and x.shape[0] > 0 and x.stride(1) == 1 and weight.is_contiguous()
             and weight.dtype == x.dtype and weight.shape[1] == x.shape[1])
 
 
@@ -160,7 +167,7 @@ def norm_qkv_rope(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight
     cos / sin [T, 1, D] -> [T, H + 2 KVH, D]: q and k rotated (keys minus key_center [KVH, D]), v."""
     T, K = x.shape
     D = weight.shape[0] // (heads + 2 * kv_heads)
-    if (D * (heads + 2 * kv_heads) != weight.shape[0] or D & (D - 1) or D < 32 or not takes(x, weight)
+    if (D * (heads + 2 * kv_heads) != weight.shape[0] or D & (D - 1) or D < 32 or not _reads(x, weight)
             or cos.shape[-1] != D or sin.shape[-1] != D):
         raise ValueError(f"norm_qkv_rope: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
                          f"{weight.dtype}, heads {heads}/{kv_heads}, cos {tuple(cos.shape)}")
@@ -170,7 +177,7 @@ def norm_qkv_rope(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight
     grid = (triton.cdiv(T, t.bm), (heads + 2 * kv_heads) * (D // 2 // t.bn))
     _norm_linear_kernel[grid](
         x, norm_weight, weight, x if bias is None else bias, out, cos, sin, center, T, K, eps, x.stride(0),
-        out.stride(0), cos.stride(0), sin.stride(0), D // 2, heads + kv_heads, heads, EPILOGUE=ROPE,
+        out.stride(0), cos.stride(0), sin.stride(0), D // 2, heads + kv_heads, heads, IS_ROPE=True,
         HAS_BIAS=bias is not None, CENTER=key_center is not None, D=D, BM=t.bm, BN=t.bn, BK=t.bk,
         **_dot_dtype(x), num_warps=t.warps, num_stages=t.stages)
     return out
@@ -182,13 +189,13 @@ def norm_gate_up(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight:
     silu(gate) * up [T, I]."""
     T, K = x.shape
     inter = weight.shape[0] // 2
-    if weight.shape[0] % 2 or not takes(x, weight):
+    if weight.shape[0] % 2 or not _reads(x, weight):
         raise ValueError(f"norm_gate_up: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
     t = tiles or _tiles(T, SILU, inter)
     out = torch.empty(T, inter, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(T, t.bm), triton.cdiv(inter, t.bn))
     _norm_linear_kernel[grid](
         x, norm_weight, weight, x, out, x, x, x, T, K, eps, x.stride(0), out.stride(0), 0, 0, inter, 0, 0,
-        EPILOGUE=SILU, HAS_BIAS=False, CENTER=False, D=1, BM=t.bm, BN=t.bn, BK=t.bk, **_dot_dtype(x),
+        IS_ROPE=False, HAS_BIAS=False, CENTER=False, D=1, BM=t.bm, BN=t.bn, BK=t.bk, **_dot_dtype(x),
         num_warps=t.warps, num_stages=t.stages)
     return out
