@@ -35,8 +35,11 @@ import triton.language as tl
 from kvmesh.kernels.formats import to_bf16_rne
 
 ROPE, SILU = 0, 1
-MAX_ROWS = 256  # the largest decode batch the tiles were measured at; larger batches take cuBLAS
-MAX_HIDDEN = 2048  # a longer reduction loses to cuBLAS (Llama-3-8B's 4,096: 0.12-0.66x the unfused time)
+# where the fused kernel beat RMSNorm + cuBLAS + RoPE / SiLU in `benchmarks/norm_linear.py` (H200,
+# SmolLM2-135M's hidden 576, 1.07-1.21x): the attention's up to 128 rows, the MLP's up to 72; a
+# hidden size of 1,536 or more lost at every batch (0.07-0.82x), so those models stay unfused
+MAX_ROWS = {ROPE: 128, SILU: 72}
+MAX_HIDDEN = 1024  # 576 measured; 960 (SmolLM2-360M) not
 
 
 @triton.jit
@@ -132,16 +135,18 @@ class Tiles:
 
 
 def _tiles(M: int, epilogue: int, half: int) -> Tiles:
-    """The tile shape for M rows. Small row tiles at every M: the programs are latency bound (a
-    chain of 9 dependent loads at K 576), so more of them in flight win over fewer reads of the
-    weights, which L2 serves again (H200: 16 rows, 32 channels fastest at 8-256 rows)."""
-    return Tiles(bm=16, bn=min(32, half), stages=4 if M <= 16 else 3)
+    """The tile shape for M rows: 16-row tiles, the fastest in the sweep wherever fusing won (more
+    programs in flight beat fewer reads of the weights, which L2 serves again); the MLP past 32
+    rows with 64 channels."""
+    if epilogue == SILU and M > 32:
+        return Tiles(bm=16, bn=64, stages=3)
+    return Tiles(bm=16, bn=min(32, half), stages=4)
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the model should fuse x [T, K] against weight [N, K]: kernels that can read them,
-    a decode-sized batch, and a reduction short enough to beat cuBLAS."""
-    return _reads(x, weight) and x.shape[0] <= MAX_ROWS and x.shape[1] <= MAX_HIDDEN
+def takes(x: torch.Tensor, weight: torch.Tensor, epilogue: int) -> bool:
+    """Whether the model should fuse x [T, K] against weight [N, K] for `epilogue` (ROPE, SILU):
+    kernels that can read them, where they were measured to beat the unfused path."""
+    return _reads(x, weight) and x.shape[0] <= MAX_ROWS[epilogue] and x.shape[1] <= MAX_HIDDEN
 
 
 def _reads(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -62,7 +62,7 @@ class Attention(nn.Module):
                 meta: AttentionMetadata, cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
         """x: the layer's input [T, hidden] -> x + attention(norm(x)) [T, hidden] (in x's storage on a GPU)."""
         T = x.shape[0]
-        if self.fused and norm_linear.takes(x, self.qkv_proj.weight):
+        if self.fused and norm_linear.takes(x, self.qkv_proj.weight, norm_linear.ROPE):
             qkv = norm_linear.norm_qkv_rope(x, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias,
                                             cos, sin, self.h, self.kvh, self.key_center)  # [T, H + 2 KVH, D]
             q, k, v = qkv[:, :self.h], qkv[:, self.h:self.h + self.kvh], qkv[:, self.h + self.kvh:]
@@ -121,7 +121,7 @@ class MLP(nn.Module):
     def forward(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         """x: the layer's stream [T, hidden] -> x + MLP(norm(x)) [T, hidden]."""
         gate_up = self.gate_up_proj
-        if self.fused and isinstance(gate_up, nn.Linear) and norm_linear.takes(x, gate_up.weight):
+        if self.fused and isinstance(gate_up, nn.Linear) and norm_linear.takes(x, gate_up.weight, norm_linear.SILU):
             return _add_linear(x, self.down_proj, norm_linear.norm_gate_up(x, norm.weight, norm.eps, gate_up.weight))
         silu_mul = getattr(gate_up, "silu_mul", None)  # a PackedGateUp (bf16 on the CPU)
         if silu_mul is not None:
