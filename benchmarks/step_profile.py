@@ -2,7 +2,7 @@
 timed three ways, and a few steps with prompt chunks under torch.profiler:
 
     python3 benchmarks/step_profile.py [--kv int4] [--profiled 3] [--profiled-decode 0] [--cprofile]
-        [--eager-prompts] [--kv-memory-mib 512] [--requests 256]
+        [--eager-prompts] [--fused-norm-linears on|off] [--kv-memory-mib 512] [--requests 256]
 
 Per step (`runner.execute` only; sampling and the engine's host work are the rest of `engine.step`):
   host  = from the call to its return (the host's enqueueing, and any sync inside it),
@@ -134,10 +134,12 @@ def main() -> None:
     ap.add_argument("--profiled", type=int, default=3, help="eager steps under torch.profiler")
     ap.add_argument("--profiled-decode", type=int, default=0, help="decode-graph replays under torch.profiler")
     ap.add_argument("--cprofile", action="store_true", help="every other eager step under cProfile")
+    ap.add_argument("--fused-norm-linears", default="on", choices=["on", "off"],
+                    help="off: RMSNorm, the GEMM and RoPE / SiLU as three kernels each (as before 2026-12-03)")
     ap.add_argument("--eager-prompts", action="store_true", help="prompt steps eagerly (no prompt graphs)")
     a = ap.parse_args()
     load = gs.make_load(a.requests, a.prompt_len, a.new_tokens, a.spread)
-    llm = gs.make_llm(a.kv, load, a.kv_memory_mib << 20, a.max_num_seqs, "cuda")
+    llm = gs.make_llm(a.kv, load, a.kv_memory_mib << 20, a.max_num_seqs, "cuda", a.fused_norm_linears == "on")
     eng = llm.llm_engine
     gs.drive(eng, load, load.params(cap=16), "cuda", "warm")
     if a.eager_prompts:
