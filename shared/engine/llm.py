@@ -25,7 +25,7 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_model_len: Optional[int] = None, seed: int = 0,
                  attention_backend: str = "auto", tensor_parallel_size: int = 1, enforce_eager: bool = False,
-                 max_seq_len_to_capture: int = 8192, fuse_norm_linears: bool = True) -> None:
+                 max_seq_len_to_capture: int = 8192, fuse_norm_linears: bool = False) -> None:
         cfg = EngineConfig(
             model=model, dtype=dtype, device=device, seed=seed, attention_backend=attention_backend,
             enforce_eager=enforce_eager, max_seq_len_to_capture=max_seq_len_to_capture,
