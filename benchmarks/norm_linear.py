@@ -7,6 +7,9 @@ Each row times one layer's half, in a CUDA graph of every layer's call in turn (
 weights, so they stream from memory as in a decode step; median of --reps replays):
 - attention: F.rms_norm, the qkv GEMM (cuBLAS), RoPE (`kernels/rope.py`) against `norm_qkv_rope`;
 - MLP: F.rms_norm, the gate/up GEMM (cuBLAS), the gated SiLU against `norm_gate_up`.
+--chain also times whole layers as a decode step runs them (the attention's half, the o_proj GEMM
+adding into the stream, the MLP's half, the down GEMM adding): unfused, fused, and fused with
+programmatic dependent launch (the kernel's launch overlapping the cuBLAS kernel before it).
 --sweep also times every tile shape and prints the fastest beside the launcher's choice (models
 whose hidden size the launcher fuses). The fused kernels run here at every hidden size, Llama-3-8B's
 4,096 too, which the engine leaves to cuBLAS.
@@ -50,6 +53,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--chain", action="store_true")
     a = ap.parse_args()
     dt = torch.bfloat16 if a.dtype == "bf16" else torch.float16
     dev = "cuda"
@@ -83,6 +87,8 @@ def main() -> None:
                 for i in range(L):
                     norm_gate_up(x, norm_w[i], 1e-5, w_gu[i], tiles=t)
 
+            if a.chain:
+                _chain(a, name, M, x, norm_w, w_qkv, w_gu, cos, sin)
             for part, unfused, fused, epi, half in (("attention", attn_unfused, attn_fused, ROPE, D // 2),
                                                     ("MLP", mlp_unfused, mlp_fused, SILU, I)):
                 t_un = kb.time_ms(unfused, a.reps, calls=1) * 1e3 / L
@@ -100,6 +106,44 @@ def main() -> None:
                 tiles = f"{best.bm}/{best.bn}/{best.bk} w{best.warps} s{best.stages}"
                 print(f"| {name} | {M} | {part} | {t_un:.2f} | {t_fu:.2f} | {t_un / t_fu:.2f}x | {tiles} | "
                       f"{t_best:.2f} |", flush=True)
+
+
+def _chain(a, name: str, M: int, x, norm_w, w_qkv, w_gu, cos, sin) -> None:
+    """Whole layers: each half then its output GEMM adding into the stream (cuBLAS addmm_, as
+    `model/llama._add_linear`), µs a layer, for unfused, fused and fused with PDL."""
+    K, H, KVH, D, I, L = MODELS[name]
+    dev, dt = x.device, x.dtype
+    g = torch.Generator(device=dev).manual_seed(1)
+    w_o = [torch.randn(K, H * D, device=dev, dtype=dt, generator=g) / (H * D) ** 0.5 / L for _ in range(L)]
+    w_d = [torch.randn(K, I, device=dev, dtype=dt, generator=g) / I ** 0.5 / L for _ in range(L)]
+    stream = x.clone()  # [M, K]: the residual stream the layers add into
+
+    def layers(mode: str):
+        for i in range(L):
+            if mode == "unfused":
+                qkv = F.linear(F.rms_norm(stream, (K,), norm_w[i], 1e-5), w_qkv[i]).view(M, H + 2 * KVH, D)
+                q = RotaryEmbedding.apply(qkv[:, :H + KVH], cos, sin)[:, :H]
+            else:
+                t = Tiles(16, min(32, D // 2), stages=4, pdl=mode == "pdl")
+                q = norm_qkv_rope(stream, norm_w[i], 1e-5, w_qkv[i], None, cos, sin, H, KVH, tiles=t)[:, :H]
+            stream.addmm_(q.reshape(M, H * D), w_o[i].t())  # stands in for attention's output
+            if mode == "unfused":
+                h = gated_silu(F.linear(F.rms_norm(stream, (K,), norm_w[i], 1e-5), w_gu[i]))
+            else:
+                t = Tiles(16, 64 if M > 32 else 32, stages=3 if M > 32 else 4, pdl=mode == "pdl")
+                h = norm_gate_up(stream, norm_w[i], 1e-5, w_gu[i], tiles=t)
+            stream.addmm_(h, w_d[i].t())
+
+    times = {}
+    for mode in ("unfused", "fused", "pdl"):
+        try:
+            times[mode] = kb.time_ms(lambda: layers(mode), a.reps, calls=1) * 1e3 / L
+        except Exception as e:  # no PDL in this Triton or driver
+            print(f"    ({mode}: {type(e).__name__}: {str(e)[:100]})", flush=True)
+    row = " | ".join(f"{m} {t:.2f}" for m, t in times.items())
+    base = times.get("unfused")
+    ratios = " | ".join(f"{m} {base / t:.2f}x" for m, t in times.items() if base and m != "unfused")
+    print(f"| {name} | {M} | whole layer (µs) | {row} | {ratios} |", flush=True)
 
 
 if __name__ == "__main__":
