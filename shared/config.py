@@ -86,7 +86,7 @@ class EngineConfig:
     fuse_norm_linears: bool = False
     """--fuse-norm-linears: on a GPU, each layer's RMSNorm + qkv GEMM + RoPE and RMSNorm + gate/up
     GEMM + SiLU run as one Triton kernel each at small batches (`kernels/norm_linear.py`). Off by
-    default: faster alone, slower inside a serving step's CUDA graph (docs/kernels.md)."""
+    default: 1.1x faster alone, no measurable gain in a serving step (docs/kernels.md)."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -23,7 +23,7 @@ accumulators stay fp32 through the epilogue and are rounded once (the unfused pa
 GEMM's output, then RoPE's or the SiLU's).
 Tiles by batch size (`_tiles`) were chosen from `benchmarks/norm_linear.py` on the H200.
 Opt-in (`--fuse-norm-linears`): alone 1.05-1.27x the three kernels' time at SmolLM2-135M's shape,
-but a serving step's CUDA graph ran 2.27 against 2.09 ms with it (docs/kernels.md).
+whole layers 1.11x, but no measurable gain in a serving step's CUDA graph (docs/kernels.md).
 """
 from __future__ import annotations
 
