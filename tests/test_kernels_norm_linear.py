@@ -132,6 +132,10 @@ def test_norm_linear_refuses_what_it_cannot_serve():
     with pytest.raises(ValueError, match="norm_qkv_rope"):
         cos = torch.ones(4, 1, 48, dtype=torch.bfloat16, device=DEV)
         norm_qkv_rope(x, x[0], 1e-6, w[:96 * 3 // 2], None, cos, cos, 1, 0)
+    with pytest.raises(ValueError, match="divide a head's half"):
+        cos = torch.ones(4, 1, 64, dtype=torch.bfloat16, device=DEV)
+        w3 = torch.randn(3 * 64, 64, dtype=torch.bfloat16, device=DEV)  # q, k, v heads of 64
+        norm_qkv_rope(x, x[0], 1e-6, w3, None, cos, cos, 1, 1, tiles=Tiles(bm=16, bn=64))
 
 
 @pytest.mark.gpu

@@ -43,7 +43,7 @@ except ImportError:  # an older Triton: PDL stays off
 
 ROPE, SILU = 0, 1
 # where the fused kernel beat RMSNorm + cuBLAS + RoPE / SiLU in `benchmarks/norm_linear.py` (H200,
-# SmolLM2-135M's hidden 576, 1.07-1.21x): the attention's up to 128 rows, the MLP's up to 72; a
+# SmolLM2-135M's hidden 576, 1.05-1.27x): the attention's up to 128 rows, the MLP's up to 72; a
 # hidden size of 1,536 or more lost at every batch (0.07-0.82x), so those models stay unfused
 MAX_ROWS = {ROPE: 128, SILU: 72}
 MAX_HIDDEN = 1024  # 576 measured; 960 (SmolLM2-360M) not
@@ -198,6 +198,8 @@ def norm_qkv_rope(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight
         raise ValueError(f"norm_qkv_rope: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
                          f"{weight.dtype}, heads {heads}/{kv_heads}, cos {tuple(cos.shape)}")
     t = tiles or _tiles(T, ROPE, D // 2)
+    if (D // 2) % t.bn:
+        raise ValueError(f"norm_qkv_rope: {t.bn} channels a tile do not divide a head's half ({D // 2})")
     out = torch.empty(T, heads + 2 * kv_heads, D, dtype=x.dtype, device=x.device)
     center = x if key_center is None else key_center.contiguous()  # any pointer where CENTER is off
     grid = (triton.cdiv(T, t.bm), (heads + 2 * kv_heads) * (D // 2 // t.bn))
