@@ -6,7 +6,10 @@ timed three ways, and a few steps with prompt chunks under torch.profiler:
 
 Per step (`runner.execute` only; sampling and the engine's host work are the rest of `engine.step`):
   host  = from the call to its return (the host's enqueueing, and any sync inside it),
-  gpu   = CUDA events around the call (the stream's span, idle gaps included),
+  gpu   = CUDA events around the call (the stream's span, idle gaps included: the GPU waits,
+          synchronized, while the host fills the step's buffers, so the span holds the host's part),
+  span - host = about what the GPU computes once the step is launched (a graph's replay: ~ its
+          kernels' own time, H200 2026-12-03),
   wall  = from the call to the stream's end (synchronized after every call, which is what the
           engine's sampling does anyway).
 Then, for eager steps: the kernels' own time summed from the profiler against the wall, and the
@@ -119,7 +122,8 @@ def summary(steps: list[StepTimes], kind: str) -> str:
     med = lambda f: statistics.median(f(x) for x in s)  # noqa: E731
     return (f"| {kind} | {len(s)} | {med(lambda x: x.tokens):.0f} | "
             f"{med(lambda x: x.decode_rows):.0f} | {med(lambda x: x.host_ms):.2f} | {med(lambda x: x.gpu_ms):.2f} | "
-            f"{med(lambda x: x.wall_ms):.2f} | {sum(x.wall_ms for x in s) / 1e3:.2f} |")
+            f"{med(lambda x: x.gpu_ms - x.host_ms):.2f} | {med(lambda x: x.wall_ms):.2f} | "
+            f"{sum(x.wall_ms for x in s) / 1e3:.2f} |")
 
 
 def main() -> None:
@@ -149,8 +153,9 @@ def main() -> None:
     row = gs.drive(eng, load, load.params(), "cuda", "timed")
     print(f"SmolLM2 bf16, {a.kv} KV, {a.kv_memory_mib} MiB pool, {a.requests} requests (gpu_serving's load), "
           f"{torch.cuda.get_device_name()}: {row['wall']:.2f} s, {row['tokens_s']:.0f} tokens/s with a sync a step\n")
-    print("| steps | count | tokens (median) | decode rows | host ms | gpu span ms | wall ms | wall s in all |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| steps | count | tokens (median) | decode rows | host ms | gpu span ms | span - host ms | wall ms | "
+          "wall s in all |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for kind in ("eager", "prompt graph", "decode graph"):
         print(summary(timed.steps, kind))
     for p in (x for x in timed.steps if x.busy_ms is not None and x.busy_ms >= 0):
