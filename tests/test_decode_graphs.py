@@ -64,6 +64,44 @@ def test_decode_batch_write_plan_rows():
         batch.fill([1] * 5, [SeqSlice(0, 1, [], 0)] * 5)
 
 
+def test_decode_batch_stages_growing_tables_like_fresh_ones():
+    """Rows fed the same table list again stage only its new pages: over random steps (tables that
+    grow, sequences that finish, join, move rows, or come back with a new list after a preemption)
+    every row's table equals what a fresh batch stages from the same step."""
+    import random
+    rng = random.Random(3)
+    shape = DecodeShape(rows=8, table_width=9, block_size=BS, num_slots=20, scratch_slot=19)
+    batch = DecodeBatch(shape, torch.device("cpu"))
+    live = {}  # residual slot -> (table list, prefix)
+    next_page = iter(range(1, 10 ** 6))
+    for step in range(200):
+        for slot in list(live):
+            table, prefix = live[slot]
+            if rng.random() < 0.05:
+                del live[slot]  # finished
+            elif rng.random() < 0.03:
+                live[slot] = ([next(next_page) for _ in range(prefix // BS + 1)], prefix)  # preempted, back
+            else:
+                if (prefix + 1) % BS == 0 and len(table) < shape.table_width:
+                    table.append(next(next_page))  # the block its next token starts
+                live[slot] = (table, min(prefix + 1, BS * (shape.table_width - 1) - 1))
+        while len(live) < 8 and rng.random() < 0.5:
+            slot = rng.choice([s for s in range(19) if s not in live])
+            prefix = rng.randrange(0, BS * 4)
+            live[slot] = ([next(next_page) for _ in range(prefix // BS + 1)], prefix)
+        order = list(live)
+        rng.shuffle(order)  # rows move between steps
+        seqs = [SeqSlice(live[s][1], 1, live[s][0], s) for s in order]
+        batch.fill([1] * len(seqs), seqs)
+        fresh = DecodeBatch(shape, torch.device("cpu"))
+        fresh.fill([1] * len(seqs), seqs)
+        got, want = batch.metadata(511).block_tables, fresh.metadata(511).block_tables
+        for i, s in enumerate(seqs):
+            n = len(s.block_table)
+            assert got[i, :n].tolist() == want[i, :n].tolist() == s.block_table, (step, i)
+        assert batch.metadata(511).write.block_ids.tolist() == fresh.metadata(511).write.block_ids.tolist()
+
+
 def test_ragged_steps_take_a_work_list():
     """A step whose work list gives its longest sequence more splits than the bucket's uniform choice
     takes the ragged graph, its list filled with the step; uniform steps and small spreads do not."""
