@@ -130,9 +130,10 @@ async def test_two_nodes_shard_and_get_across(redis_flush):
     client = GrpcKVStoreClient(addrs)
     try:
         bs = rand_blocks(12, 200_000)
+        while len({node_for(b.hash, addrs) for b in bs}) < 2:  # both nodes own some (1 draw in 2,048 fails)
+            bs = rand_blocks(12, 200_000)
         assert await client.put(bs) == 12
         owners = [node_for(b.hash, addrs) for b in bs]
-        assert set(owners) == set(addrs)  # 12 blocks over 2 nodes: both used (p(fail) = 2**-11)
         for s in servers:
             held = set(s.store.held_hashes())
             assert held == {b.hash for b, o in zip(bs, owners) if o == s.address}
