@@ -8,8 +8,8 @@ weights, so they stream from memory as in a decode step; median of --reps replay
 - attention: F.rms_norm, the qkv GEMM (cuBLAS), RoPE (`kernels/rope.py`) against `norm_qkv_rope`;
 - MLP: F.rms_norm, the gate/up GEMM (cuBLAS), the gated SiLU against `norm_gate_up`.
 --chain also times whole layers as a decode step runs them (the attention's half, the o_proj GEMM
-adding into the stream, the MLP's half, the down GEMM adding): unfused, fused, and fused with
-programmatic dependent launch (the kernel's launch overlapping the cuBLAS kernel before it).
+adding into the stream, the MLP's half, the down GEMM adding), unfused and fused. (A variant with
+programmatic dependent launch ran 1.09-1.10x against fused's 1.11-1.12x, 2026-12-03, and is gone.)
 --sweep also times every tile shape and prints the fastest beside the launcher's choice (models
 whose hidden size the launcher fuses). The fused kernels run here at every hidden size, Llama-3-8B's
 4,096 too, which the engine leaves to cuBLAS.
@@ -110,7 +110,7 @@ def main() -> None:
 
 def _chain(a, name: str, M: int, x, norm_w, w_qkv, w_gu, cos, sin) -> None:
     """Whole layers: each half then its output GEMM adding into the stream (cuBLAS addmm_, as
-    `model/llama._add_linear`), µs a layer, for unfused, fused and fused with PDL."""
+    `model/llama._add_linear`), µs a layer, unfused and fused."""
     K, H, KVH, D, I, L = MODELS[name]
     dev, dt = x.device, x.dtype
     g = torch.Generator(device=dev).manual_seed(1)
@@ -124,26 +124,18 @@ def _chain(a, name: str, M: int, x, norm_w, w_qkv, w_gu, cos, sin) -> None:
                 qkv = F.linear(F.rms_norm(stream, (K,), norm_w[i], 1e-5), w_qkv[i]).view(M, H + 2 * KVH, D)
                 q = RotaryEmbedding.apply(qkv[:, :H + KVH], cos, sin)[:, :H]
             else:
-                t = Tiles(16, min(32, D // 2), stages=4, pdl=mode == "pdl")
+                t = Tiles(16, min(32, D // 2), stages=4)
                 q = norm_qkv_rope(stream, norm_w[i], 1e-5, w_qkv[i], None, cos, sin, H, KVH, tiles=t)[:, :H]
             stream.addmm_(q.reshape(M, H * D), w_o[i].t())  # stands in for attention's output
             if mode == "unfused":
                 h = gated_silu(F.linear(F.rms_norm(stream, (K,), norm_w[i], 1e-5), w_gu[i]))
             else:
-                t = Tiles(16, 64 if M > 32 else 32, stages=3 if M > 32 else 4, pdl=mode == "pdl")
+                t = Tiles(16, 64 if M > 32 else 32, stages=3 if M > 32 else 4)
                 h = norm_gate_up(stream, norm_w[i], 1e-5, w_gu[i], tiles=t)
             stream.addmm_(h, w_d[i].t())
 
-    times = {}
-    for mode in ("unfused", "fused", "pdl"):
-        try:
-            times[mode] = kb.time_ms(lambda: layers(mode), a.reps, calls=1) * 1e3 / L
-        except Exception as e:  # no PDL in this Triton or driver
-            print(f"    ({mode}: {type(e).__name__}: {str(e)[:100]})", flush=True)
-    row = " | ".join(f"{m} {t:.2f}" for m, t in times.items())
-    base = times.get("unfused")
-    ratios = " | ".join(f"{m} {base / t:.2f}x" for m, t in times.items() if base and m != "unfused")
-    print(f"| {name} | {M} | whole layer (µs) | {row} | {ratios} |", flush=True)
+    unfused, fused = (kb.time_ms(lambda m=m: layers(m), a.reps, calls=1) * 1e3 / L for m in ("unfused", "fused"))
+    print(f"| {name} | {M} | whole layer | {unfused:.2f} | {fused:.2f} | {unfused / fused:.2f}x | | |", flush=True)
 
 
 if __name__ == "__main__":

@@ -36,11 +36,6 @@ import triton.language as tl
 
 from kvmesh.kernels.formats import to_bf16_rne
 
-try:  # grid dependency control (programmatic dependent launch), sm_90+
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # an older Triton: PDL stays off
-    gdc_launch_dependents = gdc_wait = None
-
 ROPE, SILU = 0, 1
 # where the fused kernel beat RMSNorm + cuBLAS + RoPE / SiLU in `benchmarks/norm_linear.py` (H200,
 # SmolLM2-135M's hidden 576, 1.05-1.27x): the attention's up to 128 rows, the MLP's up to 72; a
@@ -62,10 +57,7 @@ def _norm_linear_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, cos_ptr, si
                         M, K, eps, stride_xm, stride_om, stride_cos, stride_sin, pair_rows, rotated_heads,
                         key_head0, IS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, CENTER: tl.constexpr,
                         D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        DOT: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # launched early, beside the kernel before it: let the next one launch too, then wait for x
-        gdc_launch_dependents()
-        gdc_wait()
+                        DOT: tl.constexpr, SOFT_BF16: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)  # [BM]
@@ -142,8 +134,6 @@ class Tiles:
     bk: int = 64
     warps: int = 4
     stages: int = 3
-    pdl: bool = False
-    """Programmatic dependent launch: the launch overlaps the kernel before it (sm_90+)."""
 
 
 def _tiles(M: int, epilogue: int, half: int) -> Tiles:
@@ -167,15 +157,6 @@ def _reads(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return ((x.is_cuda or interpret) and x.dtype in (torch.float16, torch.bfloat16) and x.dim() == 2
             and x.shape[0] > 0 and x.stride(1) == 1 and weight.is_contiguous()
             and weight.dtype == x.dtype and weight.shape[1] == x.shape[1])
-
-
-def _launch_options(t: Tiles) -> dict:
-    options = dict(num_warps=t.warps, num_stages=t.stages, PDL=t.pdl)
-    if t.pdl:
-        if gdc_wait is None:
-            raise ValueError("this Triton has no grid dependency control (PDL)")
-        options["launch_pdl"] = True
-    return options
 
 
 def _dot_dtype(x: torch.Tensor) -> dict:
@@ -207,7 +188,7 @@ def norm_qkv_rope(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight
         x, norm_weight, weight, x if bias is None else bias, out, cos, sin, center, T, K, eps, x.stride(0),
         out.stride(0), cos.stride(0), sin.stride(0), D // 2, heads + kv_heads, heads, IS_ROPE=True,
         HAS_BIAS=bias is not None, CENTER=key_center is not None, D=D, BM=t.bm, BN=t.bn, BK=t.bk,
-        **_dot_dtype(x), **_launch_options(t))
+        **_dot_dtype(x), num_warps=t.warps, num_stages=t.stages)
     return out
 
 
@@ -225,5 +206,5 @@ def norm_gate_up(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight:
     _norm_linear_kernel[grid](
         x, norm_weight, weight, x, out, x, x, x, T, K, eps, x.stride(0), out.stride(0), 0, 0, inter, 0, 0,
         IS_ROPE=False, HAS_BIAS=False, CENTER=False, D=1, BM=t.bm, BN=t.bn, BK=t.bk, **_dot_dtype(x),
-        **_launch_options(t))
+        num_warps=t.warps, num_stages=t.stages)
     return out
