@@ -12,10 +12,9 @@ from kvmesh.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.outputs import OutputKind
 from kvmesh.engine.sampling_params import SamplingParams
-from test_engine_models import make_tiny_model, random_prompts, run_to_completion
+from test_engine_models import PAGE, make_tiny_model, random_prompts, run_to_completion
 
 torch.set_num_threads(1)  # 2 shared cores: more threads only add contention
-PAGE = 2 * 2 * 2 * 16 * 16 * 4  # tiny model page: layers * K,V * kv_heads * block * head_dim * fp32
 
 
 @pytest.fixture(scope="module")

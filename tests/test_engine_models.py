@@ -11,6 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 VOCAB = 256
 EOS = 255
+PAGE = 2 * 2 * 2 * 16 * 16 * 4  # a tiny model's fp32 page: layers * K,V * kv_heads * block * head_dim * 4 bytes
 
 
 def _byte_vocab() -> dict[str, int]:

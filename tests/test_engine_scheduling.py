@@ -8,11 +8,10 @@ import torch
 from kvmesh.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.sampling_params import SamplingParams
-from test_engine_models import run_to_completion, make_tiny_model, random_prompts
+from test_engine_models import PAGE, run_to_completion, make_tiny_model, random_prompts
 
 torch.set_num_threads(1)  # 2 shared cores: more threads only add contention
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-PAGE = 2 * 2 * 2 * 16 * 16 * 4  # tiny model page: layers * K,V * kv_heads * block * head_dim * fp32
 
 
 @pytest.fixture(scope="module")

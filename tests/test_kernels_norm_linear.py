@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.kernels.norm_linear import MAX_HIDDEN, MAX_ROWS, ROPE, SILU, Tiles, norm_gate_up, norm_qkv_rope, takes
+from kvmesh.kernels.torch_ref import TorchBackend
 from kvmesh.model.rope import RotaryEmbedding
+from test_kernels_model import generate, tiny_model
 
 ON_GPU = torch.cuda.is_available()
 DEV = "cuda" if ON_GPU else "cpu"
@@ -158,9 +160,6 @@ def test_model_with_fused_norm_linears_matches_unfused(dtype, kv):
     """The model with `fuse_norm_linears` (prefill chunks and decode steps, the keys centered for
     FP8) against the same model unfused, fed the same tokens: every step's logits close, and the
     greedy tokens the same wherever the unfused run's top two are not a tie at the model dtype."""
-    from test_kernels_model import generate, tiny_model
-    from kvmesh.kernels.torch_ref import TorchBackend
-
     model = tiny_model(DEV, attention_bias=True).to(dtype)
     kv = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype] if kv == "auto" else kv
     if kv.startswith("fp8"):
