@@ -103,7 +103,7 @@ class Sequence:
         text_end = self.detok.visible_len(finished)
         tokens, chars = (self.sent_tokens, self.sent_chars) if delta else (0, 0)
         out = CompletionOutput(
-            index=self.index, text=self.detok.text[chars:text_end],
+            index=self.index, text=self.detok.text_slice(chars, text_end),
             token_ids=self.token_ids[self.num_prompt_tokens + tokens:],  # a slice: a list of its own
             logprobs=self.logprobs[tokens:] if self.logprobs is not None else None,
             finish_reason=self.finish_reason, stop_reason=self.stop_reason)
