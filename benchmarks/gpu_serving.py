@@ -70,12 +70,13 @@ class Load:
                 for n in self.new_tokens]
 
 
-def make_load(requests: int, prompt_len: int, new_tokens: int, spread: float, seed: int = 0) -> Load:
+def make_load(requests: int, prompt_len: int, new_tokens: int, spread: float, seed: int = 0,
+              ids: range = range(100, 30000)) -> Load:
     rng = random.Random(seed)
 
     def length(mean: int) -> int:
         return max(1, round(mean * rng.uniform(1 - spread, 1 + spread)))
-    prompts = [[rng.randrange(100, 30000) for _ in range(length(prompt_len))] for _ in range(requests)]
+    prompts = [[rng.choice(ids) for _ in range(length(prompt_len))] for _ in range(requests)]
     return Load(prompts, [length(new_tokens) for _ in range(requests)])
 
 
