@@ -381,3 +381,26 @@ async def test_health_metrics_and_bad_requests(stack: Stack):
     assert any(sp.attributes.get("kvmesh.pushed_blocks", 0) > 0 for sp in prefill)
     assert any(sp.attributes.get("kvmesh.pulled_blocks", 0) > 0 for sp in decode)
     assert any(not sp.status.is_ok for sp in decode)  # the rejected call is marked failed
+
+
+@pytest.mark.parametrize("stack", ["auto"], indirect=True)
+async def test_a_paced_stream_carries_several_tokens_a_message(stack: Stack):
+    """--max-chunk-rate shared by one stream: its first token goes out at once, later messages carry
+    what several steps made, and the stream (tokens, text, logprobs) is the unpaced one."""
+    prompt = _prompt(6)
+    params = dataclasses.replace(_greedy(24), logprobs=1)
+    ref = (await asyncio.to_thread(stack.reference.generate, [prompt], params))[0].outputs[0]
+    servicer = (await stack.decode(1)).servicer
+    servicer.max_chunk_rate = 5  # one stream: a message every 0.2 s, several steps on this CPU
+    try:
+        chunks = [c async for c in (await stack.decode_stub(1)).Generate(pb.GenerateRequest(
+            request_id="paced", prompt_token_ids=prompt, sampling=convert.sampling_to_proto(params),
+            do_prefill=True))]
+    finally:
+        servicer.max_chunk_rate = DecodeConfig.max_chunk_rate
+    assert [t for c in chunks for t in c.token_ids] == ref.token_ids
+    assert "".join(c.text for c in chunks) == ref.text
+    assert [lp.token_id for c in chunks for lp in c.logprobs] == ref.token_ids
+    assert len(chunks[0].token_ids) == 1 and chunks[-1].finish_reason == "length"
+    assert len(chunks) < len(ref.token_ids) / 2
+    assert servicer.streaming == 0

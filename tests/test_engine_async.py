@@ -53,8 +53,8 @@ async def test_concurrent_streams_match_the_sync_engine(model_dir, overlap):
     assert (ae.engine.stats().async_steps > 0) == overlap
     for i, items in enumerate(streams):
         assert items[-1].finished and not any(o.finished for o in items[:-1])
-        assert len(items) == 16  # one item per generated token
-        assert [len(o.outputs[0].token_ids) for o in items] == list(range(1, 17))
+        counts = [len(o.outputs[0].token_ids) for o in items]  # cumulative: one item a step the reader saw
+        assert counts == sorted(set(counts)) and counts[-1] == 16
         assert items[-1].outputs[0].token_ids == ref[f"r{i}"]
 
 
@@ -118,3 +118,51 @@ async def test_abort_ends_the_stream(model_dir):
         assert st.kv_cache_usage == 0.0 and st.num_running == 0
     finally:
         await ae.stop()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_a_lagging_reader_gets_the_same_stream_in_fewer_outputs(model_dir, overlap):
+    """DELTA outputs queued while the reader sleeps arrive merged: fewer items, the same tokens, text,
+    logprobs and n > 1 completions as the synchronous engine's step-by-step deltas."""
+    from kvmesh.engine.outputs import OutputKind
+    prompts = random_prompts(3, 5, 30, seed=6)
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.8, seed=5, n=3, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=1)]
+
+    def joined(items) -> dict:
+        per: dict = {}
+        for o in items:
+            for c in o.outputs:
+                text, toks, lps, fin = per.get(c.index, ("", [], [], None))
+                per[c.index] = (text + c.text, toks + c.token_ids, lps + [(lp.token_id, round(lp.logprob, 4))
+                                                                         for lp in c.logprobs or []],
+                                c.finish_reason or fin)
+        return per
+
+    sync = make(model_dir)
+    ref: dict = {}
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        sync.add_request(f"r{i}", p, sp, output_kind=OutputKind.DELTA)
+    while sync.has_unfinished():
+        for o in sync.step():
+            ref.setdefault(o.request_id, []).append(o)
+    ae = AsyncEngine(make(model_dir, overlap))
+    await ae.start()
+
+    async def lagging(i):
+        items = []
+        async for o in ae.generate(f"r{i}", prompts[i], params[i], output_kind=OutputKind.DELTA):
+            items.append(o)
+            await asyncio.sleep(0.05)  # several steps pass: their outputs wait, merged
+        return items
+    try:
+        streams = await asyncio.gather(*(lagging(i) for i in range(3)))
+    finally:
+        await ae.stop()
+    for i, items in enumerate(streams):
+        want = joined(ref[f"r{i}"])
+        assert joined(items) == want
+        assert items[-1].finished and not any(o.finished for o in items[:-1])
+        assert sum(len(c.token_ids) for c in ref[f"r{i}"][-1].outputs) > 0
+    assert len(streams[0]) < len(ref["r0"]) and len(streams[1]) < len(ref["r1"])  # merged, not one a step

@@ -60,13 +60,20 @@ def _check_prefilled(request: pb.GenerateRequest, layout: BlockLayout, dtype_nam
 
 
 class DecodeServicer(pb_grpc.DecodeServicer):
-    def __init__(self, runtime: WorkerRuntime, transfer: BlockTransfer, tracer: trace.Tracer) -> None:
+    def __init__(self, runtime: WorkerRuntime, transfer: BlockTransfer, tracer: trace.Tracer,
+                 max_chunk_rate: int = 0) -> None:
         self.runtime = runtime
         self.engine = runtime.engine
         self.transfer = transfer
         self.tracer = tracer
         self.metrics = runtime.metrics
         self._ids = itertools.count()
+        self.max_chunk_rate = max_chunk_rate
+        self.streaming = 0  # streams past their first message, which --max-chunk-rate shares out
+
+    def _pace(self) -> float:
+        """Seconds a stream waits between messages: --max-chunk-rate shared by the active streams."""
+        return self.streaming / self.max_chunk_rate
 
     async def Load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReply:
         return self.runtime.load_reply()
@@ -121,7 +128,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             try:
                 async with contextlib.aclosing(self.engine.generate(
                         rid, prompt, params, cache_salt=request.cache_salt, export_kv=True,
-                        resume=resume, output_kind=OutputKind.DELTA)) as stream:
+                        resume=resume, output_kind=OutputKind.DELTA,
+                        pace=self._pace if self.max_chunk_rate else None)) as stream:
                     async for out in stream:
                         final = out
                         if getattr(out, "error", None):
@@ -132,6 +140,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                             continue
                         now = time.perf_counter()
                         if last_token_at is None:
+                            self.streaming += 1
                             if not resuming:
                                 self.metrics.time_to_first_token_seconds.observe(now - start)
                         elif new_ids:
@@ -151,6 +160,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except RuntimeError as e:  # the engine failed the step or is stopping
                 await context.abort(grpc.StatusCode.INTERNAL, f"request {rid} failed: {e}")
+            finally:
+                if last_token_at is not None:
+                    self.streaming -= 1
             self.metrics.e2e_request_latency_seconds.observe(time.perf_counter() - start)
             span.set_attribute("kvmesh.generated_tokens", sent_tokens)
             if final is not None and final.kv_export is not None:
@@ -186,7 +198,7 @@ class DecodeWorker(Worker):
                  metrics: Optional[Metrics] = None, tracer: Optional[trace.Tracer] = None) -> None:
         super().__init__(cfg, engine, kvstore, index, metrics)
         self.servicer = DecodeServicer(self.runtime, self.transfer,
-                                        tracer or trace.get_tracer("kvmesh.decode"))
+                                        tracer or trace.get_tracer("kvmesh.decode"), cfg.max_chunk_rate)
         self.runtime.add_servicer(lambda s: pb_grpc.add_DecodeServicer_to_server(self.servicer, s))
 
 

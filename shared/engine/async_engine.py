@@ -1,9 +1,9 @@
 """AsyncEngine: LLMEngine stepped by one background thread, driven from an asyncio loop.
 
 Every engine call (add, abort, import) is a command executed on the engine thread between steps, so
-the engine itself stays single-threaded. Outputs go back to per-request asyncio queues with
-`call_soon_threadsafe`. Closing or cancelling a request's iterator aborts it (its blocks are freed
-before the next step).
+the engine itself stays single-threaded. Outputs go back to per-request collectors with
+`call_soon_threadsafe`, merged while their reader lags (`output_collector.py`). Closing or
+cancelling a request's iterator aborts it (its blocks are freed before the next step).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import threading
 from typing import AsyncIterator, Callable, Optional
 
 from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.output_collector import OutputCollector
 from kvmesh.engine.outputs import ExportedBlock, OutputKind, RequestOutput, ResumeState
 from kvmesh.engine.sampling_params import SamplingParams
 
@@ -24,7 +25,7 @@ class AsyncEngine:
         self.engine = engine
         self._cmds: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, OutputCollector] = {}
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
@@ -45,7 +46,7 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join)
         self._thread = None
         for q in self._queues.values():
-            q.put_nowait(RuntimeError("engine stopped"))
+            q.put(RuntimeError("engine stopped"))
         self._queues.clear()
 
     # ---- engine thread ----
@@ -78,11 +79,11 @@ class AsyncEngine:
         for o in outs:
             q = self._queues.get(o.request_id)
             if q is not None:
-                q.put_nowait(o)
+                q.put(o)
 
     def _deliver_error(self, err: Exception) -> None:
         for q in self._queues.values():
-            q.put_nowait(err)
+            q.put(err)
 
     async def _call(self, fn: Callable[[], object]) -> object:
         """Runs fn on the engine thread and returns (or raises) its result."""
@@ -106,10 +107,13 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        cache_salt: str = "", export_kv: bool = False, hand_off: bool = False,
                        resume: Optional[ResumeState] = None,
-                       output_kind: OutputKind = OutputKind.CUMULATIVE) -> AsyncIterator[RequestOutput]:
+                       output_kind: OutputKind = OutputKind.CUMULATIVE,
+                       pace: Optional[Callable[[], float]] = None) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as the engine steps. `pace`: seconds the next output waits after
+        one is yielded (what the steps add meanwhile merges into it; the last output never waits)."""
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already running")
-        q: asyncio.Queue = asyncio.Queue()
+        q = OutputCollector(output_kind)
         self._queues[request_id] = q
         finished = added = False
         try:
@@ -117,8 +121,9 @@ class AsyncEngine:
                 request_id, prompt_token_ids, params, cache_salt=cache_salt, export_kv=export_kv,
                 hand_off=hand_off, resume=resume, output_kind=output_kind))
             added = True
+            hold_until = 0.0
             while not finished:
-                item = await q.get()
+                item = await q.get(hold_until)
                 if item is None:  # aborted through abort(): the stream just ends
                     finished = True
                     break
@@ -127,6 +132,8 @@ class AsyncEngine:
                     raise item
                 finished = item.finished
                 yield item
+                if pace is not None:
+                    hold_until = self._loop.time() + pace()
         finally:
             self._queues.pop(request_id, None)
             if added and not finished and self._thread is not None:
@@ -138,7 +145,7 @@ class AsyncEngine:
         await self._call(lambda: self.engine.abort(request_id))
         q = self._queues.get(request_id)
         if q is not None:
-            q.put_nowait(None)
+            q.put(None)
 
     async def import_blocks(self, blocks: list[ExportedBlock], cache_salt: str = "") -> int:
         return await self._call(lambda: self.engine.import_blocks(blocks, cache_salt))

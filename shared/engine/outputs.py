@@ -86,3 +86,27 @@ class RequestOutput:
     kv_export: Optional[KVExport] = None
     error: Optional[str] = None
     """Set when the request failed inside the engine (others keep running)."""
+
+
+def merge_delta(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """Two DELTA outputs of one request as one (what both steps added, in order). Mutates and
+    returns `older`, which the caller owns (the engine builds fresh outputs every step)."""
+    by_index = {c.index: c for c in older.outputs}
+    for c in newer.outputs:
+        o = by_index.get(c.index)
+        if o is None:  # a completion forked after `older` (n > 1)
+            older.outputs.append(c)
+            continue
+        o.text += c.text
+        o.token_ids.extend(c.token_ids)
+        if c.logprobs is not None:
+            o.logprobs = (o.logprobs or []) + c.logprobs
+        if c.finish_reason is not None:
+            o.finish_reason, o.stop_reason = c.finish_reason, c.stop_reason
+    older.outputs.sort(key=lambda c: c.index)
+    older.finished = newer.finished
+    older.num_cached_tokens = newer.num_cached_tokens
+    if older.prompt_logprobs is None:  # DELTA sends them once, with the first output
+        older.prompt_logprobs = newer.prompt_logprobs
+    older.kv_export = newer.kv_export or older.kv_export
+    return older
