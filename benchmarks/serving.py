@@ -160,7 +160,7 @@ def main() -> None:
     ap.add_argument("--spread", type=float, default=0.75)
     ap.add_argument("--concurrency", type=int, default=0, help="most streams open at once (0: all)")
     ap.add_argument("--clients", type=int, default=4, help="client processes sharing the requests")
-    ap.add_argument("--max-chunk-rates", default="10000",
+    ap.add_argument("--max-chunk-rates", default="5000",
                     help="the decode worker's --max-chunk-rate, a row (and a stack) for each")
     ap.add_argument("--kv-memory-mib", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=256)

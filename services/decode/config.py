@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from kvmesh.worker_config import WorkerConfig, add_worker_args, worker_fields_from_args
 
 DEFAULT_PORT = 50081
-DEFAULT_MAX_CHUNK_RATE = 10_000
+DEFAULT_MAX_CHUNK_RATE = 5_000
 
 
 @dataclass(frozen=True)
