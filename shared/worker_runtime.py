@@ -47,6 +47,7 @@ class WorkerRuntime:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._held: set[bytes] = set()
+        self._unpublished: dict[bytes, bool] = {}  # hash -> held, drained but not yet in the index
         self._publish_lock = asyncio.Lock()
         self._publisher: Optional[asyncio.Task] = None
         self._stopping = False  # the publish loop's exit condition (stop() also cancels it)
@@ -145,27 +146,37 @@ class WorkerRuntime:
 
     # -- prefix-cache events --------------------------------------------------------------------
     async def local_blocks(self) -> set[bytes]:
-        """Hashes in this worker's local prefix cache, up to date as of now (drains events).
-        The live set, not a copy: read it before the next await."""
-        await self.publish_events()
+        """Hashes in this worker's local prefix cache, up to date as of now (drains events; the index
+        hears of them on the next publish tick, not on this request's path). The live set, not a
+        copy: read it before the next await."""
+        async with self._publish_lock:
+            await self._drain()
         return self._held
 
     async def publish_events(self) -> None:
         """Drain the engine's stored/removed events, track them, publish them under `holder`."""
         async with self._publish_lock:
-            # On the engine thread, between steps: the engine itself is single-threaded.
-            events = await self.engine.run(lambda e: e.drain_kv_events())
-            stored: list[bytes] = []
-            removed: list[bytes] = []
-            for kind, h in events:
-                if kind == "stored":
-                    self._held.add(h)
-                    stored.append(h)
-                else:
-                    self._held.discard(h)
-                    removed.append(h)
-            if stored or removed:
-                await asyncio.wait_for(self.index.publish(self.holder, stored, removed), INDEX_CALL_TIMEOUT_S)
+            await self._drain()
+            if self._unpublished:
+                changes, self._unpublished = self._unpublished, {}
+                stored = [h for h, held in changes.items() if held]
+                removed = [h for h, held in changes.items() if not held]
+                try:
+                    await asyncio.wait_for(self.index.publish(self.holder, stored, removed), INDEX_CALL_TIMEOUT_S)
+                except BaseException:
+                    for h, held in changes.items():  # the next tick tries them again
+                        self._unpublished.setdefault(h, held)
+                    raise
+
+    async def _drain(self) -> None:
+        # On the engine thread, between steps: the engine itself is single-threaded.
+        for kind, h in await self.engine.run(lambda e: e.drain_kv_events()):
+            held = kind == "stored"
+            if held:
+                self._held.add(h)
+            else:
+                self._held.discard(h)
+            self._unpublished[h] = held  # only the last state of a hash matters to the index
 
     async def _publish_loop(self) -> None:
         while not self._stopping:
