@@ -323,3 +323,31 @@ async def test_non_streamed_client_disconnect_aborts_on_the_worker(stack):
     assert not engine.has_unfinished() and gw.active == 0
     # every load the router counted was given back
     assert all((w.in_flight, w.queued_tokens) == (0, 0) for w in gw.router.workers.values())
+
+
+async def test_paced_stream_with_logprobs_through_the_openai_client(stack):
+    """A decode worker pacing its streams sends several tokens a chunk: the client still gets the
+    reference text, one logprob per token in order, and the usage."""
+    msgs = [{"role": "user", "content": f"Tell me about {words(5, 3)}."}]
+    ref = stack["reference"].chat(msgs, SamplingParams(temperature=0.0, max_tokens=16, logprobs=2,
+                                                       ignore_eos=True))[0].outputs[0]
+    servicer = stack["decode"].servicer
+    servicer.max_chunk_rate = 5  # one stream: a chunk every 0.2 s, several steps on this CPU
+    try:
+        stream = await stack["client"].chat.completions.create(
+            model="smollm2", messages=msgs, max_tokens=16, temperature=0, stream=True, logprobs=True,
+            top_logprobs=2, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        text, lps, chunks, usage = "", [], 0, None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+                continue
+            chunks += 1
+            text += chunk.choices[0].delta.content or ""
+            lps += chunk.choices[0].logprobs.content if chunk.choices[0].logprobs else []
+    finally:
+        servicer.max_chunk_rate = DecodeConfig.max_chunk_rate
+    assert text == ref.text and usage.completion_tokens == len(ref.token_ids)
+    assert [lp.logprob for lp in lps] == pytest.approx([lp.logprob for lp in ref.logprobs], abs=2e-3)
+    assert all(len(lp.top_logprobs) == 2 for lp in lps)
+    assert len(ref.token_ids) == 16 and chunks < 12  # a chunk a token would be 17 with the role's
