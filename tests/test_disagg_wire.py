@@ -129,7 +129,7 @@ def test_blocks_tail_and_resume():
     with pytest.raises(ValueError, match=r"cached_blocks\[0\].hash"):
         convert.block_refs_from_proto([pb.BlockRef(hash=b"short")])
     tail = rng.randbytes(512)
-    export = KVExport(blocks=[], tail_tokens=5, tail=tail, tail_dtype="fp32")
+    export = KVExport.of(blocks=[], tail_tokens=5, tail=tail, tail_dtype="fp32")
     t = convert.tail_from_export(export)
     assert convert.tail_from_proto(convert.tail_to_proto(t)) == t
     reply = pb.PrefillReply(first_token=42, tail=convert.tail_to_proto(t),

@@ -23,9 +23,9 @@ def model_dir(tmp_path_factory):
     return str(d)
 
 
-def make(model: str, kv_dtype: str, overlap: bool = False) -> LLMEngine:
+def make(model: str, kv_dtype: str, overlap: bool = False, device: str = "cpu") -> LLMEngine:
     """overlap: async scheduling (`engine/inflight.py`), as on a GPU."""
-    return LLMEngine(EngineConfig(model=model, device="cpu",
+    return LLMEngine(EngineConfig(model=model, device=device,
                                   cache=CacheConfig(kv_cache_memory=2 << 20, kv_cache_dtype=kv_dtype),
                                   scheduler=SchedulerConfig(max_num_batched_tokens=32, async_scheduling=overlap)))
 
@@ -42,13 +42,25 @@ def prefill(eng: LLMEngine, prompt: list[int], logprobs=None):
 
 @pytest.mark.parametrize("kv_dtype,overlap", [("auto", False), ("fp8", False), ("auto", True)])
 def test_prefill_export_import_resume_equals_one_engine(model_dir, kv_dtype, overlap):
+    _hop_equals_one_engine(model_dir, kv_dtype, overlap, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_gpu_prefill_export_import_resume_equals_one_engine(model_dir, kv_dtype):
+    """On a GPU the export and the import are stream-ordered copies that nothing waits for, with
+    steps launched ahead (async scheduling, CUDA graphs)."""
+    _hop_equals_one_engine(model_dir, kv_dtype, True, "cuda")
+
+
+def _hop_equals_one_engine(model_dir: str, kv_dtype: str, overlap: bool, device: str) -> None:
     prompt = random_prompts(1, 53, 53, seed=1)[0]  # 3 full blocks + 5 tail tokens
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=1)
-    one = make(model_dir, kv_dtype)
+    one = make(model_dir, kv_dtype, device=device)
     one.add_request("x", prompt, greedy)
     ref = finish(one)["x"].outputs[0]
 
-    a = make(model_dir, kv_dtype, overlap)
+    a = make(model_dir, kv_dtype, overlap, device)
     pre = prefill(a, prompt, logprobs=1)
     exp = pre.kv_export
     assert exp is not None and len(exp.blocks) == 3 and exp.tail_tokens == 5
@@ -59,7 +71,7 @@ def test_prefill_export_import_resume_equals_one_engine(model_dir, kv_dtype, ove
     first = pre.outputs[0].token_ids
     assert first == ref.token_ids[:1]
 
-    b = make(model_dir, kv_dtype, overlap)
+    b = make(model_dir, kv_dtype, overlap, device)
     assert b.import_blocks(exp.blocks) == 3
     assert b.import_blocks(exp.blocks) == 0  # already cached
     b.add_request("x", prompt, greedy, resume=ResumeState(first, exp.tail_tokens, exp.tail,

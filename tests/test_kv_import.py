@@ -38,13 +38,15 @@ def test_exported_pages_import_as_cached_blocks(kv_dtype):
         be.write(src, layer, torch.randn(len(toks), KVH, D, generator=gen),
                  torch.randn(len(toks), KVH, D, generator=gen), meta)
     assert src_kv.cache_full_blocks("r", toks, hashes, len(toks)) == 3
-    exported = [(h, toks[i * BS:(i + 1) * BS], src.read_page(b))
-                for i, (h, b) in enumerate(zip(hashes, src_kv.block_table("r")))]
+    pages = src.copy_out(src_kv.block_table("r"), src_kv.residual_slot("r")).rows(0)
+    exported = [(h, toks[i * BS:(i + 1) * BS], data) for i, (h, data) in enumerate(zip(hashes, pages))]
 
-    for h, t, data in exported:
+    ids = []
+    for h, t, _ in exported:
         bid = dst_kv.import_block(h, t)
         assert bid is not None and bid >= 4
-        dst.write_page(bid, data)
+        ids.append(bid)
+    dst.write_pages(ids, [e[2] for e in exported])
     assert dst_kv.import_block(*exported[0][:2]) is None  # already cached
     hits = dst_kv.lookup(hashes, toks)
     assert len(hits) == 3 and dst_kv.num_free_blocks == 5  # imported pages are cached *and* free

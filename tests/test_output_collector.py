@@ -23,7 +23,7 @@ def test_delta_outputs_merge_in_order_forks_and_finish():
     lp = [TokenLogprob(5, -0.5)]
     c.put(out(comp(0, "a", [5], lps=lp), prompt_lps=[None, TokenLogprob(2, -1.0)], cached=16))
     c.put(out(comp(0, "b", [6], lps=[TokenLogprob(6, -0.25)]), comp(1, "x", [7]), cached=16))  # a fork joins
-    export = KVExport([], 0, b"", "fp32")
+    export = KVExport.of([], 0, b"", "fp32")
     c.put(out(comp(1, "y", [8], finish="stop", stop="y"), comp(0, "", [], lps=[], finish="length"),
               finished=True, cached=16, export=export))
     assert len(c) == 1

@@ -168,11 +168,12 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             if final is not None and final.kv_export is not None:
                 known = set(pulled.imported)  # the rest: asked with Contains (refs may have been stale)
                 # Shielded: a caller that hangs up after the last chunk must not lose the blocks.
-                await asyncio.shield(self.runtime.spawn(self._push(final.kv_export.blocks, known)))
+                await asyncio.shield(self.runtime.spawn(self._push(final.kv_export, known)))
 
-    async def _push(self, blocks: list, known: set[bytes]) -> None:
+    async def _push(self, export: Any, known: set[bytes]) -> None:
         try:
-            await self.transfer.push(blocks, known=known)
+            await asyncio.to_thread(export.ready)  # the pages' copy from the device lands off the loop
+            await self.transfer.push(export.blocks, known=known)
             await self.runtime.publish_events()
         except Exception:  # advisory: the next turn recomputes what did not land
             log.exception("decode: putting finished blocks to the kvstore failed")

@@ -12,6 +12,7 @@ Local prefix-cache events are published to the index under this worker's address
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import itertools
@@ -93,6 +94,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             self.metrics.time_to_first_token_seconds.observe(ttft)
 
             export = final.kv_export
+            await asyncio.to_thread(export.ready)  # the pages' copy from the device lands off the loop
             known = set(pulled.imported)  # the rest: asked with Contains (refs may have been stale)
             # The decode worker pulls these next: they must be in the store before the reply.
             pushed = await self.transfer.push(export.blocks, known=known)

@@ -15,7 +15,7 @@ import torch
 
 from kvmesh.config import EngineConfig
 from kvmesh.engine.detokenizer import Detokenizer
-from kvmesh.engine.host_copies import to_device
+from kvmesh.kv.host_copies import to_device
 from kvmesh.engine.inflight import InFlightStep
 from kvmesh.engine.outputs import ExportedBlock, KVExport, OutputKind, RequestOutput, ResumeState, TokenLogprob
 from kvmesh.engine.request_checks import RequestLimits, check_request
@@ -137,7 +137,6 @@ class LLMEngine:
     # ---- KV import / events ----
     def import_blocks(self, blocks: list[ExportedBlock], cache_salt: str = "") -> int:
         """Puts pages computed elsewhere into the prefix cache (unreferenced, evictable)."""
-        new = 0
         for b in blocks:
             if len(b.token_ids) != self.layout.block_size:
                 raise ValueError(f"blocks[].token_ids must hold {self.layout.block_size} tokens, "
@@ -145,12 +144,14 @@ class LLMEngine:
             if len(b.data) != self.layout.block_bytes:
                 raise ValueError(f"blocks[].data is {len(b.data)} bytes, this engine's page is "
                                  f"{self.layout.block_bytes} (KV dtype {self.layout.kv_dtype})")
+        ids, pages = [], []
+        for b in blocks:
             bid = self.kv.import_block(b.hash, b.token_ids)
-            if bid is None:
-                continue  # already cached, or no free page: a resume recomputes what is missing
-            self.runner.write_page(bid, b.data)
-            new += 1
-        return new
+            if bid is not None:  # None: already cached, or no free page (a resume recomputes it)
+                ids.append(bid)
+                pages.append(b.data)
+        self.runner.cache.write_pages(ids, pages)  # one queued copy: the step in flight runs on
+        return len(ids)
 
     def drain_kv_events(self) -> list[tuple[str, bytes]]:
         return self.kv.drain_events()
@@ -360,10 +361,9 @@ class LLMEngine:
     def _export(self, seq: Sequence) -> KVExport:
         bs = self.layout.block_size
         full = seq.num_computed_tokens // bs
-        blocks = [ExportedBlock(seq.block_hashes[b], seq.token_ids[b * bs:(b + 1) * bs],
-                                self.runner.read_page(seq.block_ids[b])) for b in range(full)]
-        return KVExport(blocks, seq.num_computed_tokens % bs, self.runner.read_slot(seq.residual_slot),
-                        self.runner.dtype_name)
+        copy = self.runner.cache.copy_out(seq.block_ids[:full], seq.residual_slot)  # no wait for the device
+        return KVExport(seq.block_hashes[:full], [seq.token_ids[b * bs:(b + 1) * bs] for b in range(full)],
+                        seq.num_computed_tokens % bs, self.runner.dtype_name, copy)
 
     def _output(self, req: Request) -> RequestOutput:
         finished = req.finished  # a scan of the request's sequences: once (every request, every step)

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from kvmesh.engine.host_copies import start_readback, to_device
+from kvmesh.kv.host_copies import start_readback, to_device
 from kvmesh.engine.outputs import TokenLogprob
 from kvmesh.engine.sampler import DeviceSample, SampleRow, host_logprobs
 from kvmesh.engine.sequence import Sequence

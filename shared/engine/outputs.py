@@ -5,6 +5,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Optional
 
+from kvmesh.kv.host_copies import HostCopy
+
 
 class OutputKind(enum.Enum):
     """How much of a request each `RequestOutput` carries (`LLMEngine.add_request`)."""
@@ -50,16 +52,47 @@ class ExportedBlock:
     """One page: `KVCache.pool[block_id]` bytes, layout in kvmesh.kv.layout."""
 
 
-@dataclass
 class KVExport:
-    blocks: list[ExportedBlock]
-    """Every full block of the sequence (prompt + computed output tokens), in order."""
-    tail_tokens: int
-    """Tokens held in the residual slot (< block_size)."""
-    tail: bytes
-    """Residual slot bytes [layers, 2, kv_heads, block_size, head_dim] in `tail_dtype`."""
-    tail_dtype: str
-    """Model dtype name of `tail`: fp32, fp16 or bf16."""
+    """A finished sequence's KV as host bytes. Built on the engine thread without waiting for the
+    device: the pages and the tail arrive by one stream-ordered copy (`kv/host_copies.py`), and the
+    first read of `blocks` or `tail` waits for it. Call `ready()` from a worker thread first
+    (`await asyncio.to_thread(export.ready)`) to keep an event loop free while it lands."""
+
+    def __init__(self, hashes: list[bytes], token_ids: list[list[int]], tail_tokens: int, tail_dtype: str,
+                 copy: Optional[HostCopy]) -> None:
+        self.tail_tokens = tail_tokens
+        """Tokens held in the residual slot (< block_size)."""
+        self.tail_dtype = tail_dtype
+        """Model dtype name of `tail`: fp32, fp16 or bf16."""
+        self._hashes, self._token_ids, self._copy = hashes, token_ids, copy
+        self._blocks: Optional[list[ExportedBlock]] = None
+        self._tail = b""
+
+    @classmethod
+    def of(cls, blocks: list[ExportedBlock], tail_tokens: int, tail: bytes, tail_dtype: str) -> "KVExport":
+        """An export of bytes already in host memory."""
+        out = cls([b.hash for b in blocks], [b.token_ids for b in blocks], tail_tokens, tail_dtype, None)
+        out._blocks, out._tail = list(blocks), tail
+        return out
+
+    def ready(self) -> "KVExport":
+        """Waits for the copy (once) and returns self."""
+        if self._blocks is None:
+            pages = self._copy.rows(0)
+            self._blocks = [ExportedBlock(h, t, d) for h, t, d in zip(self._hashes, self._token_ids, pages)]
+            self._tail = self._copy.whole(1)
+            self._copy = None
+        return self
+
+    @property
+    def blocks(self) -> list[ExportedBlock]:
+        """Every full block of the sequence (prompt + computed output tokens), in order."""
+        return self.ready()._blocks
+
+    @property
+    def tail(self) -> bytes:
+        """Residual slot bytes [layers, 2, kv_heads, block_size, head_dim] in `tail_dtype`."""
+        return self.ready()._tail
 
 
 @dataclass

@@ -163,21 +163,10 @@ class ModelRunner:
     def copy_slot(self, src: int, dst: int) -> None:
         self.cache.residual[dst].copy_(self.cache.residual[src])
 
-    def read_slot(self, slot: int) -> bytes:
-        r = self.cache.residual[slot].contiguous().cpu()
-        return r.view(torch.uint8).numpy().tobytes()
-
     def write_slot(self, slot: int, data: bytes) -> None:
         dst = self.cache.residual[slot]
         want = dst.numel() * dst.element_size()
         if len(data) != want:
             raise ValueError(f"resume.tail is {len(data)} bytes, this engine's residual slot is {want} "
                              f"(layers, 2, kv_heads, block_size, head_dim in {self.dtype_name})")
-        src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).view(dst.shape)
-        dst.copy_(src)
-
-    def read_page(self, block_id: int) -> bytes:
-        return self.cache.read_page(block_id)
-
-    def write_page(self, block_id: int, data: bytes) -> None:
-        self.cache.write_page(block_id, data)
+        self.cache.write_slot(slot, data)

@@ -5,7 +5,8 @@
               tail block of each running sequence, in full precision until it fills
 
 A page moves between services as `pool[block_id]` (one contiguous buffer); a residual slot as
-`residual[slot]`.
+`residual[slot]`; both go to and from host bytes in batches that never wait for the stream
+(`host_copies.py`).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmesh.kv.host_copies import HostCopy, bytes_to_device, to_device
 from kvmesh.kv.layout import INT4_GROUP, INT4_HEADER, BlockLayout
 
 STORAGE_DTYPES = {
@@ -76,14 +78,24 @@ class KVCache:
         v = r[:, 1].transpose(1, 2).reshape(-1, self.layout.kv_heads, self.layout.head_dim)
         return k, v
 
-    def read_page(self, block_id: int) -> bytes:
-        return self.pool[block_id].cpu().numpy().tobytes()
+    def copy_out(self, block_ids: list[int], slot: int) -> HostCopy:
+        """Pages `block_ids` (in order) and residual slot `slot` on their way to host memory,
+        in stream order (nothing waits; `HostCopy.rows(0)` / `.whole(1)` read them)."""
+        return HostCopy([self.pool.index_select(0, to_device(block_ids, self.device)), self.residual[slot]])
 
-    def write_page(self, block_id: int, data: bytes | memoryview) -> None:
-        if len(data) != self.layout.block_bytes:
-            raise ValueError(f"page is {len(data)} bytes, layout wants {self.layout.block_bytes}")
-        src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        self.pool[block_id].copy_(src)
+    def write_pages(self, block_ids: list[int], pages: list[bytes | memoryview]) -> None:
+        """Writes whole pages (`layout.block_bytes` each) in one queued copy."""
+        for data in pages:
+            if len(data) != self.layout.block_bytes:
+                raise ValueError(f"page is {len(data)} bytes, layout wants {self.layout.block_bytes}")
+        if block_ids:
+            src = bytes_to_device(pages, torch.uint8, (self.layout.block_bytes,), self.device)  # [n, block_bytes]
+            self.pool.index_copy_(0, to_device(block_ids, self.device), src)
+
+    def write_slot(self, slot: int, data: bytes | memoryview) -> None:
+        """Writes residual slot `slot` from its bytes (model dtype, [layers, 2, kv_heads, bs, head_dim])."""
+        dst = self.residual[slot]
+        dst.copy_(bytes_to_device([data], dst.dtype, tuple(dst.shape), self.device)[0])
 
 
 def view_layer_bytes(L: BlockLayout, base: torch.Tensor) -> LayerView:
