@@ -15,7 +15,6 @@ import torch
 
 from kvmesh.config import EngineConfig
 from kvmesh.engine.detokenizer import Detokenizer
-from kvmesh.kv.host_copies import to_device
 from kvmesh.engine.inflight import InFlightStep
 from kvmesh.engine.outputs import ExportedBlock, KVExport, OutputKind, RequestOutput, ResumeState, TokenLogprob
 from kvmesh.engine.request_checks import RequestLimits, check_request
@@ -27,6 +26,7 @@ from kvmesh.engine.sequence import Request, Sequence
 from kvmesh.engine.step_plan import StepPlan, plan_step
 from kvmesh.engine.stats import EngineStats
 from kvmesh.hashing import HashContext
+from kvmesh.kv.host_copies import to_device
 from kvmesh.kv.kv_cache_manager import KVCacheManager
 from kvmesh.model.config import model_identity
 from kvmesh.model.tokenizer import Tokenizer

@@ -14,10 +14,10 @@ from typing import Optional
 
 import torch
 
-from kvmesh.kv.host_copies import start_readback, to_device
 from kvmesh.engine.outputs import TokenLogprob
 from kvmesh.engine.sampler import DeviceSample, SampleRow, host_logprobs
 from kvmesh.engine.sequence import Sequence
+from kvmesh.kv.host_copies import start_readback, to_device
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,10 @@ from typing import Optional
 
 import torch
 
-from kvmesh.kv.host_copies import to_device
 from kvmesh.engine.outputs import TokenLogprob
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.kernels.cpu_native import NativeKernels
+from kvmesh.kv.host_copies import to_device
 
 
 @dataclass
