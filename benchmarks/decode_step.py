@@ -37,6 +37,7 @@ from kvmesh.kv.layout import BlockLayout  # noqa: E402
 from kvmesh.kv.pool import KVCache  # noqa: E402
 from kvmesh.model import llama  # noqa: E402
 from kvmesh.model.config import ModelConfig  # noqa: E402
+from kvmesh.model.key_centers import centers_keys  # noqa: E402
 from kvmesh.model.llama import LlamaForCausalLM  # noqa: E402
 
 SHAPES = {  # hidden, layers, heads, kv heads, head_dim, intermediate, vocab, tied
@@ -151,10 +152,10 @@ def run_case(model, name: str, kv: str, batch: int, ctx: int, reps: int, bandwid
     cache = KVCache(layout, batch * per_seq, batch + 1, torch.bfloat16, "cuda")
     cache.pool.random_(0, 256)  # timing only: any bytes stream the same
     backend = TritonBackend()
-    # FP8 keys are centered in the engine (model/key_centers.py); random centers cost the same
+    # FP8 and INT4 keys are centered in the engine (model/key_centers.py); random centers cost the same
     g = torch.Generator().manual_seed(1)
     model.set_key_centers(torch.randn(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, generator=g) * 0.1
-                          if kv.startswith("fp8") else None)
+                          if centers_keys(kv) else None)
 
     def new_graphs():
         return DecodeGraphs(model, cache, backend, max_seqs=batch, max_context=max(ctx + 1, 512), scratch_slot=batch)

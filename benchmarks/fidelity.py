@@ -26,7 +26,7 @@ from kvmesh.kernels.metadata import SeqSlice, build_attention_metadata  # noqa: 
 from kvmesh.kernels.torch_ref import TorchBackend  # noqa: E402
 from kvmesh.kv.layout import BlockLayout  # noqa: E402
 from kvmesh.kv.pool import KVCache  # noqa: E402
-from kvmesh.model.key_centers import load_or_compute  # noqa: E402
+from kvmesh.model.key_centers import centers_keys, load_or_compute  # noqa: E402
 from kvmesh.model.loader import load_model, model_cache_dir  # noqa: E402
 from kvmesh.model.tokenizer import Tokenizer  # noqa: E402
 
@@ -124,8 +124,8 @@ def main() -> None:
     ppl = {}
     for d in dtypes if args.windows else ():
         t0 = time.perf_counter()
-        # what the engine does: FP8 caches hold centered keys (kvmesh.model.key_centers)
-        model.set_key_centers(centers if d.startswith("fp8") else None)
+        # what the engine does: FP8 and INT4 caches hold centered keys (kvmesh.model.key_centers)
+        model.set_key_centers(centers if centers_keys(d) else None)
         ppl[d] = perplexity(model, cfg, win, d, args.block_size, args.batch)
         print(f"  {d:9s} perplexity {ppl[d]:.4f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
     agree = {}

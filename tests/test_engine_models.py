@@ -37,10 +37,11 @@ def save_byte_tokenizer(path: Path) -> None:
         "{% if add_generation_prompt %}<assistant>{% endif %}")}))
 
 
-def make_tiny_model(path: Path, kind: str = "llama", seed: int = 0) -> transformers.PreTrainedModel:
-    """A random tiny model saved to `path` (config, safetensors, tokenizer); returns the HF model."""
+def make_tiny_model(path: Path, kind: str = "llama", seed: int = 0, head_dim: int = 16) -> transformers.PreTrainedModel:
+    """A random tiny model saved to `path` (config, safetensors, tokenizer); returns the HF model.
+    head_dim 32 or more suits an INT4 cache (32-channel value groups)."""
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=512,
                 rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=EOS)
     if kind == "llama":
         cfg = transformers.LlamaConfig(**base, tie_word_embeddings=True, rope_theta=10000.0, rope_scaling={

@@ -239,8 +239,9 @@ def test_gpu_hardware_paths_byte_exact_near_ties(kv, dt):
 
 def int4_hard_blocks(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V fp32 [6, 16, 2, 64]: constant channels, an outlier, all-negative and far-offset blocks,
-    zeros, then a block whose inner values sit on and next to the code ties (x - m) / s = k + 1/2
-    of its own groups (group ends untouched, so the reference's (s, m) stay those used here)."""
+    zeros, then a block whose inner values sit on and next to the code ties of its own groups (keys
+    x / s + 7.5 = k + 1/2, values (x - m) / s = k + 1/2; group ends untouched, so the reference's
+    scales stay those used here). Only the keys get ties; values are covered by the random blocks."""
     n, bs, H, D = 6, 16, 2, 64
     k = torch.randn(n, bs, H, D, generator=gen) * 3
     k[0, :, :, 5] = 3.0
@@ -250,14 +251,13 @@ def int4_hard_blocks(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     k[4] = 0.0
     v = torch.randn(n, bs, H, D, generator=gen)
     qb = quantize_blocks(k[5:], v[5:], "int4")
-    rec = qb.k_scale[0]  # [H, 16 + 2D]: K header, V header, s codes, m codes
+    rec = qb.k_scale[0]  # [H, 16 + D]: K header, V header, s codes
     h = rec[:, :8].contiguous().view(torch.bfloat16).float()  # [H, 4]
-    cs, cm = int4_key_codes(rec)  # [H, D] each, channel order
-    s = cs.float() * h[:, 2:3]  # [H, D]
-    m = cm.float() * h[:, 1:2] + h[:, 0:1]
+    s = int4_key_codes(rec).float() * h[:, 2:3]  # [H, D], channel order
     x = k[5].transpose(0, 1)  # [H, bs, D]
-    ties = m[:, None] + (torch.randint(0, 15, x.shape, generator=gen) + 0.5) * s[:, None]
+    ties = torch.randint(-7, 8, x.shape, generator=gen).float() * s[:, None]  # x / s + 7.5 = j + 7.5
     bits = ties.view(torch.int32) + torch.randint(-2, 3, x.shape, generator=gen, dtype=torch.int32)
+    bits = torch.where(ties == 0, 0, bits)  # a zero's neighbours in bits are NaN and -0.0: 0 stays a tie
     inner = (x > x.amin(1, keepdim=True)) & (x < x.amax(1, keepdim=True))
     lo, hi = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
     k[5] = torch.where(inner, bits.view(torch.float32).clamp(lo, hi), x).transpose(0, 1)

@@ -49,14 +49,17 @@ def offset_keys_model() -> LlamaForCausalLM:
     return model.eval()
 
 
-def test_centering_cuts_fp8_error_on_offset_keys():
+# int4 not here: on this tiny model centering moved its logits error only 2.06e-2 -> 1.89e-2 (not
+# understood); int4's centered keys are measured on SmolLM2 instead (benchmarks/fidelity.py)
+@pytest.mark.parametrize("kv", ["fp8_e4m3"])
+def test_centering_cuts_error_on_offset_keys(kv):
     model = offset_keys_model()
     _, ref = generate(model, TorchBackend(), "fp32", PROMPTS, 6, "cpu")
-    _, plain = generate(model, TorchBackend(), "fp8_e4m3", PROMPTS, 6, "cpu")
+    _, plain = generate(model, TorchBackend(), kv, PROMPTS, 6, "cpu")
     centers = compute_key_centers(model, calibration_ids("none", model.config.vocab_size)[:2048])
     assert centers.shape == (2, 2, 32) and model.key_centers() is None  # computed with centering off
     model.set_key_centers(centers)
-    _, centered = generate(model, TorchBackend(), "fp8_e4m3", PROMPTS, 6, "cpu")
+    _, centered = generate(model, TorchBackend(), kv, PROMPTS, 6, "cpu")
     e_plain, e_centered = rel(plain, ref), rel(centered, ref)
     assert e_centered < 0.7 * e_plain, f"centered {e_centered:.2e} vs plain {e_plain:.2e}"
 
@@ -73,10 +76,10 @@ def test_centers_are_cached_and_deterministic(tmp_path):
     assert torch.equal(load_or_compute(model, "none", tmp_path / "cache"), first)
 
 
-@pytest.mark.parametrize("kv,centered", [("fp8", True), ("int8", False)])
-def test_engine_centers_fp8_caches_only(tmp_path, monkeypatch, kv, centered):
+@pytest.mark.parametrize("kv,centered", [("fp8", True), ("int4", True), ("int8", False)])
+def test_engine_centers_fp8_and_int4_caches(tmp_path, monkeypatch, kv, centered):
     monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path / "cache"))
-    make_tiny_model(tmp_path / "tiny", "llama", seed=3)
+    make_tiny_model(tmp_path / "tiny", "llama", seed=3, head_dim=32)
     from kvmesh import LLM, SamplingParams
     llm = LLM(str(tmp_path / "tiny"), kv_cache_dtype=kv, device="cpu", kv_cache_memory=4 << 20)
     model = llm.llm_engine.runner.model

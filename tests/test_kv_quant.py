@@ -73,12 +73,12 @@ def unpack(p):
 
 
 def int4_parts(qb):
-    """Decode the int4 scale bytes: K and V (m_base, m_step, s_step) [n, H] and codes (s, m)."""
+    """Decode the int4 scale bytes: K and V headers [n, H, 4], K s codes, V codes (s, m)."""
     D = qb.k.shape[-1] * 2
     rec = qb.k_scale
     hk = rec[..., :8].contiguous().view(torch.bfloat16).float()  # [n, H, 4]
     hv = rec[..., 8:16].contiguous().view(torch.bfloat16).float()
-    kc = tuple(c.float() for c in int4_key_codes(rec))  # [n, H, D] each, channel order
+    kc = int4_key_codes(rec).float()  # [n, H, D], channel order
     vc = (qb.v_scale[:, :, :, 0].float(), qb.v_scale[:, :, :, 1].float())  # [n, H, bs, G]
     return hk, hv, kc, vc
 
@@ -98,25 +98,37 @@ def check_int4_groups(x, q, h, cs, cm):
     return s, m
 
 
+def check_int4_keys(x, q, h, cs):
+    """x [..., channels, tokens]: q codes, K header [..., 4] (broadcast), s codes [..., channels]: the
+    symmetric levels (q - 7.5) s cover each channel (7.5 s >= absmax) and q is round(x / s + 7.5)."""
+    s = cs * h[..., 2]
+    assert (h[..., 0] == 0).all() and (h[..., 1] == 0).all() and (h[..., 3] == 0).all() and (cs >= 1).all()
+    assert (7.5 * s >= x.abs().amax(-1) - s * 1e-4).all()  # fp32 roundings of the reciprocal (layout.py)
+    assert torch.equal(q, torch.round(x * (1 / s[..., None]) + 7.5).clamp(0, 15))
+    err = ((q - 7.5) * s[..., None] - x).abs()
+    assert (err <= s[..., None] * 0.5001 + 1e-6).all()
+    return s
+
+
 def test_int4_groups_error_and_packing():
     k, v = fresh()
     qb = quantize_blocks(k, v, "int4")
-    assert qb.k.shape == (N, H, BS, D // 2) and qb.k_scale.shape == (N, H, 16 + 2 * D)
+    assert qb.k.shape == (N, H, BS, D // 2) and qb.k_scale.shape == (N, H, 16 + D)
     assert qb.v_scale.shape == (N, H, BS, 2, D // 32) and qb.k_scale.dtype == torch.uint8
-    hk, hv, (kcs, kcm), (vcs, vcm) = int4_parts(qb)
+    hk, hv, kcs, (vcs, vcm) = int4_parts(qb)
     xk, xv = heads_major(k), heads_major(v)
-    # keys: one code pair per channel over the block's tokens
+    # keys: one symmetric s code per channel over the block's tokens
     qk = unpack(qb.k)  # [n, H, bs, D]
-    sk, mk = check_int4_groups(xk.transpose(2, 3), qk.transpose(2, 3), hk[:, :, None], kcs, kcm)
+    sk = check_int4_keys(xk.transpose(2, 3), qk.transpose(2, 3), hk[:, :, None], kcs)
     # values: per token, groups of 32 channels
     g = xv.reshape(N, H, BS, D // 32, 32)
     qv = unpack(qb.v).view(N, H, BS, D // 32, 32)
     sv, mv = check_int4_groups(g, qv, hv[:, :, None, None], vcs, vcm)
-    # the headers: m_base is the lowest minimum rounded down, the steps span the codes
-    assert (hk[..., 0] <= xk.amin(dim=(2, 3))).all() and (hk[..., 0] > xk.amin(dim=(2, 3)) * 1.01 - 1e-6).all()
-    assert (kcm.amax(-1) >= 250).all() and (kcs.amax(-1) >= 250).all()  # the 8-bit range is used
+    # the headers: V's m_base is the lowest minimum rounded down; the steps span the codes
+    assert (hv[..., 0] <= xv.amin(dim=(2, 3))).all() and (hv[..., 0] > xv.amin(dim=(2, 3)) * 1.01 - 1e-6).all()
+    assert (kcs.amax(-1) >= 250).all() and (vcm.amax((-2, -1)) >= 250).all()  # the 8-bit range is used
     dk, dv = dequantize_blocks(qb, "int4")
-    assert torch.equal(dk, qk * sk[:, :, None] + mk[:, :, None])
+    assert torch.equal(dk, (qk - 7.5) * sk[:, :, None])
     assert torch.equal(dv, (qv * sv[..., None] + mv[..., None]).view(N, H, BS, D))
 
 
@@ -129,9 +141,9 @@ def test_int4_covers_hard_groups():
     k[2] = -k[2].abs() - 50.0  # all negative, far from zero
     k[3] = k[3] * 1e-3 + 1e4  # tiny ranges at a large offset
     qb = quantize_blocks(k, k.clone(), "int4")
-    hk, hv, (kcs, kcm), (vcs, vcm) = int4_parts(qb)
+    hk, hv, kcs, (vcs, vcm) = int4_parts(qb)
     x = heads_major(k)
-    check_int4_groups(x.transpose(2, 3), unpack(qb.k).transpose(2, 3), hk[:, :, None], kcs, kcm)
+    check_int4_keys(x.transpose(2, 3), unpack(qb.k).transpose(2, 3), hk[:, :, None], kcs)
     check_int4_groups(x.reshape(4, 2, BS, D // 32, 32), unpack(qb.v).view(4, 2, BS, D // 32, 32),
                       hv[:, :, None, None], vcs, vcm)
 
@@ -148,8 +160,8 @@ def test_int4_v_header_found_from_v_data_offset():
 
 def test_int4_low_nibble_is_even_channel():
     k = torch.zeros(1, BS, 1, D)
-    k[0, 0, 0, :] = torch.arange(D) % 2 * 15.0  # channel parity 0 -> 0, 1 -> 15 at token 0
-    k[0, 1, 0, :] = 15.0 - k[0, 0, 0, :]  # token 1 the opposite, so every channel spans 0..15
+    k[0, 0, 0, :] = torch.arange(D) % 2 * 2.0 - 1.0  # channel parity 0 -> -1 (code 0), 1 -> +1 (15) at token 0
+    k[0, 1, 0, :] = -k[0, 0, 0, :]  # token 1 the opposite
     qb = quantize_blocks(k, k.clone(), "int4")
     assert qb.k[0, 0, 0].tolist() == [0xF0] * (D // 2)
     assert qb.k[0, 0, 1].tolist() == [0x0F] * (D // 2)
@@ -161,7 +173,9 @@ def test_zero_and_tiny_blocks_stay_finite(name):
     k[1] = 1e-9
     dk, dv = dequantize_blocks(quantize_blocks(k, k.clone(), name), name)
     assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
-    assert dk[0].abs().max() == 0 and dv[0].abs().max() == 0
+    # int4 keys are symmetric, (q - 7.5) s, with no zero level: a zero key comes back as s / 2 at the
+    # smallest step (2**-25); every other format keeps zero exact
+    assert dk[0].abs().max() == (2.0 ** -25 if name == "int4" else 0) and dv[0].abs().max() == 0
     assert (dk[1] - 1e-9).abs().max() < 1e-7
 
 
@@ -233,34 +247,38 @@ def _true_div_scales(x, name, v=None):
 
 
 def _int4_record_np(a, b):
-    """numpy float32 K, V [n, H, bs, D] -> uint8 K records [n, H, 16 + 2D] (layout.py's formulas)."""
+    """numpy float32 K, V [n, H, bs, D] -> uint8 K records [n, H, 16 + D] (layout.py's formulas)."""
     import numpy as np
     f32 = np.float32
+    one = f32(1)
 
     def bf16(x, up):
         b = np.ascontiguousarray(x, dtype=np.float32).view(np.int32).astype(np.int64)
         away = np.ones_like(b) if up else (b < 0).astype(np.int64)
         return (((b + away * 0xFFFF) & -65536).astype(np.int32)).view(np.float32)
 
-    def codes(lo, hi):  # [n, H, groups]
-        one = f32(1)
+    def header(*fields):
+        return (np.stack(fields, -1).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)  # bf16 bits
+
+    def value_header(lo, hi):  # [n, H, groups]
         mb = bf16(lo.min(-1), up=False)
         ms = bf16(np.maximum((lo.max(-1) - mb) / f32(255), f32(2.0 ** -24)), up=True)
         cm = np.minimum(np.floor((lo - mb[..., None]) * (one / ms)[..., None]), 255).astype(f32)
         cm -= (cm * ms[..., None] + mb[..., None] > lo)
         span = hi - (cm * ms[..., None] + mb[..., None])
         ss = bf16(np.maximum(span.max(-1) / f32(3825), f32(2.0 ** -24)), up=True)
-        cs = np.clip(np.ceil(span * (one / (ss * f32(15)))[..., None]), 1, 255).astype(f32)
-        head = np.stack((mb, ms, ss, np.zeros_like(mb)), -1).view(np.uint32) >> 16  # bf16 bits
-        return head.astype(np.uint16).view(np.uint8), cs.astype(np.uint8), cm.astype(np.uint8)
+        return header(mb, ms, ss, np.zeros_like(mb))
 
     n, H, bs, D = a.shape
-    kh, kcs, kcm = codes(a.min(2), a.max(2))
+    amax = abs(a).max(2)  # [n, H, D]: keys are symmetric per channel
+    ss = bf16(np.maximum(amax.max(-1) / f32(1912.5), f32(2.0 ** -24)), up=True)
+    kcs = np.clip(np.ceil(amax * (one / (ss * f32(7.5)))[..., None]), 1, 255).astype(np.uint8)
+    zero = np.zeros_like(ss)
     g = b.reshape(n, H, bs, D // 32, 32)
-    vh, _, _ = codes(g.min(-1).reshape(n, H, -1), g.max(-1).reshape(n, H, -1))
+    vh = value_header(g.min(-1).reshape(n, H, -1), g.max(-1).reshape(n, H, -1))
     c = np.arange(D)  # the record stores each eight channels as 0 1 4 5 2 3 6 7 (kv/layout.py)
     slots = (c & ~6) | ((c & 2) << 1) | ((c & 4) >> 1)
-    return np.concatenate((kh, vh, kcs[..., slots], kcm[..., slots]), -1)
+    return np.concatenate((header(zero, zero, ss, zero), vh, kcs[..., slots]), -1)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -271,7 +289,7 @@ def test_scales_are_true_divisions_on_every_device(name, device):
     k, v = fresh()
     qb = quantize_blocks(k.to(device), v.to(device), name)
     ref = _true_div_scales(k, name, v)
-    if name == "int4":  # every byte of the K records (both headers, K codes)
+    if name == "int4":  # every byte of the K records (both headers, K s codes)
         assert torch.equal(qb.k_scale.cpu(), ref)
         return
     got = qb.k_scale.float().cpu()

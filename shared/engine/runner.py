@@ -19,7 +19,7 @@ from kvmesh.kernels.torch_ref import TorchBackend
 from kvmesh.kernels.metadata import NO_STAGING, SeqSlice, StagePolicy, build_attention_metadata
 from kvmesh.kv.layout import BlockLayout, canonical_kv_dtype
 from kvmesh.kv.pool import KVCache
-from kvmesh.model.key_centers import centers_digest, load_or_compute
+from kvmesh.model.key_centers import centers_digest, centers_keys, load_or_compute
 from kvmesh.model.loader import load_model, model_cache_dir
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -68,7 +68,7 @@ class ModelRunner:
                                   head_dim=mc.head_dim, block_size=cfg.cache.block_size,
                                   kv_dtype=kv_dtype)
         self.key_centers_digest = ""  # names the key centers in use (pages differ between centers)
-        if kv_dtype.startswith("fp8"):  # keys centered before FP8 rounds them (model/key_centers.py)
+        if centers_keys(kv_dtype):  # keys centered before FP8 or INT4 stores them (model/key_centers.py)
             centers = load_or_compute(self.model, cfg.model, model_cache_dir(cfg.model))
             self.model.set_key_centers(centers)
             self.key_centers_digest = centers_digest(centers)

@@ -2,9 +2,9 @@
 the tiles: the K and V nibbles go into the dots as exact fp16 integers and no element is ever
 multiplied by its (s, m).
 
-Keys, per channel c over a page: k = n * s_c + m_c, so
-    q . k = (q * s) . n + q . m,   q * s = [G, D] once per page,   q . m = m_step * (q . cm) + m_base * sum(q)
-(cm the 8-bit m codes, exact in fp16: one small dot). Values, per token t and 32-channel group g:
+Keys, per channel c over a page: k = (n - 7.5) * s_c (symmetric), so
+    q . k = (q * s) . n - 7.5 * sum(q * s),   q * s = [G, D] once per page
+(the offset from the same rounded q * s the dot takes, so the two parts cancel as they should). Values, per token t and 32-channel group g:
     sum_t p_t v_t[group g] = sum_t (p_t * s_tg) n_t[group g] + sum_t p_t m_tg
 so the scales ride on p (one multiply per token and group) and the m part is one [G, BS] x [BS, D/32]
 dot per page. q * s and p * s are normalized by the page's largest s code (the 8-bit path does the
@@ -31,7 +31,7 @@ import triton.language as tl
 
 from kvmesh.kernels.backend import AttentionMetadata
 from kvmesh.kernels.formats import FMT_INT4
-from kvmesh.kernels.int4_codec import HEADER, code_slot
+from kvmesh.kernels.int4_codec import HEADER, K_OFFSET, code_slot
 from kvmesh.kernels.paged_attention import LOG2E, _cast_out, _check, _dot_dtype
 from kvmesh.kernels.partials import partial_rows, work_unit
 from kvmesh.kernels.splits import launch_split, num_sms, num_splits, resident_of
@@ -137,9 +137,7 @@ def decode_int4_kernel(
     dc = _rev3(dp)  # its channel
     q_row = q_ptr + b.to(tl.int64) * stride_qb + (head * stride_qh)[:, None]
     qp = tl.load(q_row + dc[None, :], mask=row_ok[:, None], other=0.0).to(DOT)  # [H, D] permuted
-    qn = tl.load(q_row + dp[None, :], mask=row_ok[:, None], other=0.0).to(DOT)  # [H, D] natural
-    q_sum = tl.sum(qn.to(tl.float32), axis=1)  # [H]
-    rec_off = KS_OFF + kvh * (HEADER + 2 * D)  # this head's K record inside a page's layer
+    rec_off = KS_OFF + kvh * (HEADER + D)  # this head's K record inside a page's layer
 
     # page streams: state [P, H]; V accumulators per group [NG, P, H, 32] and the m part [P, H, NG]
     acc = tl.zeros((NG, PAGES, BLOCK_H, 32), tl.float32)
@@ -164,14 +162,11 @@ def decode_int4_kernel(
         # keys: words [P, BS, W] (unmasked: a missing page reads page 0, finite, and is masked below)
         p32 = pool_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
         kw = tl.load(p32 + (base // 4 + (kvh * BS) * W)[:, None, None] + (t * W)[None, :, None] + w[None, None, :])
-        k_mb, k_ms, k_ss = _header(pool_ptr, rec, pv)
+        _, _, k_ss = _header(pool_ptr, rec, pv)
         kcs = _code(tl.load(pool_ptr + (rec + HEADER)[:, None] + code_slot(dc)[None, :]), DOT, 256)  # [P, D] s / 256, permuted
-        kcm = _code(tl.load(pool_ptr + (rec + HEADER + D)[:, None] + code_slot(dp)[None, :]), DOT, 1)  # [P, D] m codes
         qs = qp[None, :, :] * kcs[:, None, :]  # [P, H, D]: q * s / (256 s_step), |.| <= |q|
-        qm = tl.trans(tl.dot(qn, tl.trans(kcm)))  # [P, H]: q . cm (codes exact in fp16)
-        qm = k_ms[:, None] * qm + k_mb[:, None] * q_sum[None, :]
         s = tl.dot(qs, tl.permute(_nibbles(kw, DOT, ASM), (0, 2, 1)))  # [P, H, BS]
-        s = s * (k_ss * (256.0 * qk_scale))[:, None, None] + (qm * qk_scale)[:, :, None]
+        s = (s - K_OFFSET * tl.sum(qs.to(tl.float32), axis=2)[:, :, None]) * (k_ss * (256.0 * qk_scale))[:, None, None]
         s = tl.where(pv[:, None, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=2))  # [P, H]
         alpha = tl.math.exp2(m_i - m_new)

@@ -2,15 +2,15 @@
 registers (Gluon; GPU only): the register-direct design of `decode_direct.py` carried to 4-bit
 codes, with the scales folded out of the elements wherever the math allows.
 
-Keys (per channel c over the page: k = n s_c + m_c, s_c = cs_c s_step, m_c = cm_c m_step + m_base):
-    q . k_t = s_step (q * cs) . n_t + m_step (q . cm) + m_base sum(q)
+Keys (symmetric per channel c over the page: k = (n - 7.5) s_c, s_c = cs_c s_step):
+    q . k_t = s_step (q * cs) . n_t - 7.5 s_step (q . cs)
 q * cs is the page's B operand: q' = q 2**e (a power of two that brings max |q| to 2**13-2**14) times
 the code as the fp16 subnormal c 2**-24 (one byte permute and one multiply a pair; the record stores
 each eight's codes as channels 0 1 4 5 2 3 6 7, so a word holds the (c, c + 4) pairs it takes), a
 normal number rounded once; the nibbles enter the MMA as fp16 subnormals n 2**-24 (one mask a pair,
 no conversion; the units join the scale: the H200's tensor cores take subnormal inputs exactly).
-q . m, the same for every token of a page, comes 16 pages at a time from one MMA over their m codes
-against q, at the top of every 16 pages, into shared memory; a chunk loads its page's row.
+The offset q . m (m = -7.5 s), the same for every token of a page, comes 16 pages at a time from one
+MMA over their s codes against q, at the top of every 16 pages, into shared memory; a chunk loads its page's row.
 Values (per token t and 32-channel group: v = n s_t + m_t): the thread's channels lie in one group,
 so n s_t comes out of one fma a pair ((1024 + n) s - 1024 s, from the fp16 bit trick; odd channels,
 whose nibble sits 4 bits up, as 16 n s, the 16 taken off their output rows once), in units of
@@ -224,7 +224,7 @@ if HAVE_GLUON:
         bt_row = block_tables_ptr + b.to(gl.int64) * stride_bt
         # loop-invariant offsets inside a page's layer region (words; so in bytes)
         NG: gl.constexpr = D // 32
-        rec = KS_OFF + kvh * (HEADER + 2 * D)  # this head's K record
+        rec = KS_OFF + kvh * (HEADER + D)  # this head's K record
         ko = ((kvh * BS + tk) * (D // 8))[:, None] + wk[None, :]
         vo = V_OFF // 4 + ((kvh * BS + tv) * (D // 8))[:, None] + wv[None, :]
         co = (rec + HEADER) // 4 + (rc * 0)[:, None] + wc[None, :]
@@ -274,19 +274,19 @@ if HAVE_GLUON:
                 l_i = l_i + gl.convert_layout(l_t, gl.SliceLayout(0, l_i.type.layout), assert_trivial=True)[None, :]
         if L2PF and not USE_RING:
             k0 = kvh * BS * (D // 2)  # a chunk's K and V rows (8 D bytes each), the head's K record, V codes
-            lines, per_row = chunk_lines(k0, V_OFF + k0, KS_OFF + kvh * (HEADER + 2 * D), VS_OFF + kvh * BS * (D // 16),
-                                         8 * D, 8 * D, HEADER + 2 * D, D, D // 2, D // 2, 0, D // 16)
-        # the pages' q . m, 16 pages at a time (_page_offsets); a chunk loads its page's row
+            lines, per_row = chunk_lines(k0, V_OFF + k0, KS_OFF + kvh * (HEADER + D), VS_OFF + kvh * BS * (D // 16),
+                                         8 * D, 8 * D, HEADER + D, D, D // 2, D // 2, 0, D // 16)
+        # the pages' q . m, 16 pages at a time (page_offsets); a chunk loads its page's row
         LCM: gl.constexpr = words_layout(D // 4, 16)
         rr = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(1, LCM))
-        cmo = (rec + HEADER) // 4 + D // 4 + gl.arange(0, D // 4, layout=gl.SliceLayout(0, LCM))
+        cso = (rec + HEADER) // 4 + gl.arange(0, D // 4, layout=gl.SliceLayout(0, LCM))
         p_last = last // CPP
         offsets = gl.allocate_shared_memory(gl.float32, [CHUNK_C, NH], ROWS)  # [16 pages, NH heads]
         # the same bytes as rows: index() wants a layout a rank below the shape, the [16, NH] store a full one
         page_rows = _as_rows(offsets, [CHUNK_C, NH])
         for p0 in range(lo // CPP, gl.cdiv(hi, CPP), CHUNK_C):
             q_op = b_operand(logical_k(q_pairs(q_lo.load(LCQ), q_hi.load(LCQ)), D), D)
-            offsets.store(page_offsets(pool_ptr, bt_row, p0, p_last, rr, cmo, rec, q_op, sq_s.load(MMA), qk_q,
+            offsets.store(page_offsets(pool_ptr, bt_row, p0, p_last, rr, cso, rec, q_op, sq_s.load(MMA), qk_q,
                                         page_stride, layer_off, D))
             for c in range(gl.maximum(lo, p0 * CPP), gl.minimum(hi, (p0 + CHUNK_C) * CPP)):
                 if USE_RING:

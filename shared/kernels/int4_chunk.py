@@ -40,28 +40,27 @@ if HAVE_GLUON:
         return acc, accm + mm * v_ms, mb + sp * v_mb, l_i + sp
 
     @gluon.jit
-    def page_offsets(pool_ptr, bt_row, p0, p_last, rr, cmo, rec, q_op, sq, qk_q, page_stride, layer_off,
+    def page_offsets(pool_ptr, bt_row, p0, p_last, rr, cso, rec, q_op, sq, qk_q, page_stride, layer_off,
                       D: gl.constexpr):
-        """q . m of 16 pages at once, m = cm m_step + m_base per channel (a page's score offset, the
+        """q . m of 16 pages at once, m = -7.5 s per channel (symmetric keys: a page's score offset, the
         same for its every token), in log2 units: [16 pages, NH heads] (MMA layout), page p0 + r in row r
-        (pages past p_last read p_last). One MMA over the 16 pages' m codes against q, where a chunk
+        (pages past p_last read p_last). One MMA over the 16 pages' s codes against q, where a chunk
         at a time took an MMA whose 16 rows were all alike."""
         pages = gl.load(bt_row + gl.minimum(p0 + rr, p_last))  # [16]
         pb = page_base(pool_ptr, pages, page_stride, layer_off)
-        cm = gl.load(pb.to(gl.pointer_type(gl.uint32), bitcast=True)[:, None] + cmo[None, :])  # [16, D/4]
+        cs = gl.load(pb.to(gl.pointer_type(gl.uint32), bitcast=True)[:, None] + cso[None, :])  # [16, D/4]
         hk = gl.load(pb.to(gl.pointer_type(gl.uint64), bitcast=True) + rec // 8)
-        k_mb, k_ms, _ = header_scalars(gl.convert_layout(hk, gl.SliceLayout(1, MMA), assert_trivial=True))
-        cm_op = gl.convert_layout(logical_k(code_pairs(cm), D), A_OP, assert_trivial=True)
-        qm = mma_v2(cm_op, q_op, gl.zeros([CHUNK_C, q_op.shape[1]], gl.float32, layout=MMA))  # sum q' (4 + cm / 256)
-        return (qm * (qk_q * 256.0 * k_ms)[:, None]
-                + sq * (qk_q * (k_mb - 1024.0 * k_ms))[:, None])
+        _, _, k_ss = header_scalars(gl.convert_layout(hk, gl.SliceLayout(1, MMA), assert_trivial=True))
+        cs_op = gl.convert_layout(logical_k(code_pairs(cs), D), A_OP, assert_trivial=True)
+        qc = mma_v2(cs_op, q_op, gl.zeros([CHUNK_C, q_op.shape[1]], gl.float32, layout=MMA))  # sum q' (4 + cs / 256)
+        return (qc - 4.0 * sq) * (qk_q * -1920.0 * k_ss)[:, None]  # -7.5 * 256 s_step sum q' cs / 256
 
     @gluon.jit
     def chunk_scores(ql, qh, kw, cs, hk, offset, k_unit, D: gl.constexpr):
         """S^T [16 tokens, NH heads] of a chunk of full pages, in log2 units; offset [1, NH]: the page's
         q . m (`_page_offsets`), every row alike; k_unit: the nibble and code units and the softmax
         scale, over q's power of two."""
-        _, _, k_ss = header_scalars(hk)  # m_base, m_step: the page's offset (_page_offsets)
+        _, _, k_ss = header_scalars(hk)  # -7.5 s, the page's offset, comes from page_offsets
         if ql.shape[0] != cs.shape[0]:  # 16 head rows: the page's codes serve both n-tiles
             cs = gl.convert_layout(rows_joined(cs, cs), ql.type.layout, assert_trivial=True)
         # keys: q' * cs 2**-24 (a byte permute and a multiply a pair), nibbles n 2**-24: subnormals

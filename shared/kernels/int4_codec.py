@@ -1,13 +1,15 @@
 """The INT4 format's Triton code, write and read side together (layout and math in `kv/layout.py`,
-torch reference in `kv/quant.py`, byte-identical): x = q * s + m, keys per channel over the block,
-values per token in groups of 32 channels, each group's (s, m) an 8-bit code pair against a bf16
-(m_base, m_step, s_step) header per (block, layer, head, K|V)."""
+torch reference in `kv/quant.py`, byte-identical): keys symmetric per channel over the block, x =
+(q - 7.5) s, each s an 8-bit code against a bf16 s_step; values x = q s + m per token in groups of 32
+channels, each group's (s, m) an 8-bit code pair against a bf16 (m_base, m_step, s_step) header.
+Headers are per (block, layer, head, K|V)."""
 import triton
 import triton.language as tl
 
 
 HEADER = tl.constexpr(16)  # bytes of the K and V headers at the start of each K record
 STEP_FLOOR = tl.constexpr(5.960464477539063e-08)  # 2**-24, quant.INT4_STEP_FLOOR
+K_OFFSET = tl.constexpr(7.5)  # keys: x = (q - 7.5) s (layout.INT4_K_OFFSET)
 
 
 @triton.jit
@@ -35,7 +37,7 @@ def _pack(x, BITS: tl.constexpr):
 
 @triton.jit
 def code_slot(c):
-    """Byte of channel c's code in a K record's s (or m) codes: channels 2-3 and 4-5 of each eight
+    """Byte of channel c's code in a K record's s codes: channels 2-3 and 4-5 of each eight
     swap places (bits 1 and 2 of c), so a word holds the channel pairs (c, c + 4) the register-direct
     kernel's operands pair up (kv/layout.py)."""
     return (c & -8) | (c & 1) | ((c & 2) << 1) | ((c & 4) >> 1)
@@ -98,7 +100,7 @@ def _per_head(x, MAX: tl.constexpr):
 
 @triton.jit
 def _group_codes(pool_ptr, rec, lo, hi):
-    """Group minima/maxima [R, HP, C] fp32 of HP heads -> (s codes, m codes from `_bits` [R, HP, C],
+    """Value group minima/maxima [R, HP, C] fp32 of HP heads -> (s codes, m codes from `_bits` [R, HP, C],
     1 / s, m fp32 [R, HP, C]); stores each head's bf16 header (m_base, m_step, s_step, 0) at byte
     rec [1, HP, 1]. Same operations as quant._int4_group_codes."""
     m_base = _bf16_round(_per_head(lo, False), False)  # [1, HP, 1]
@@ -117,6 +119,19 @@ def _group_codes(pool_ptr, rec, lo, hi):
 
 
 @triton.jit
+def _key_codes(pool_ptr, rec, a):
+    """Channel absmaxima a [1, HP, D] fp32 -> (s codes from `_bits`, 1 / s) [1, HP, D]; stores each head's
+    bf16 K header (0, 0, s_step, 0) at byte rec [1, HP, 1]. Same operations as quant._int4_key_codes."""
+    s_step = _bf16_round(tl.maximum(tl.math.div_rn(_per_head(a, True), K_OFFSET * 255.0), STEP_FLOOR), True)
+    cs = tl.minimum(tl.maximum(tl.ceil(a * tl.math.div_rn(1.0, s_step * K_OFFSET)), 1.0), 255.0)
+    i = tl.arange(0, 4)[None, None, :]
+    h = tl.where(i == 2, s_step, 0.0)  # [1, HP, 4]
+    ph = pool_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
+    tl.store(ph + rec // 2 + i, (h.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16))  # 8 bytes a head
+    return _bits(cs), tl.math.div_rn(1.0, cs * s_step)
+
+
+@triton.jit
 def _store_words(pool_ptr, byte_base, head0, w, BS: tl.constexpr, ROW_WORDS: tl.constexpr):
     """Words w [BS, HP * ROW_WORDS] (HP heads side by side) -> rows of a [KVH, BS, ROW_WORDS] region."""
     t = tl.arange(0, BS)[:, None]
@@ -127,20 +142,18 @@ def _store_words(pool_ptr, byte_base, head0, w, BS: tl.constexpr, ROW_WORDS: tl.
 
 @triton.jit
 def store_int4_k(pool_ptr, base, krec_base, head0, xr, BS: tl.constexpr, D: tl.constexpr, HP: tl.constexpr):
-    """Keys xr [BS, HP * D] of heads head0.. (input dtype), per channel over the block. krec_base: byte
-    offset of the K scale region; each head's record is [K header | V header | s codes [D] | m codes [D]]."""
+    """Keys xr [BS, HP * D] of heads head0.. (input dtype), symmetric per channel over the block.
+    krec_base: byte offset of the K scale region; each head's record is [K header | V header | s codes [D]]."""
     hh = tl.arange(0, HP)
-    rec = krec_base + (head0 + hh) * (HEADER + 2 * D)  # [HP] bytes
+    rec = krec_base + (head0 + hh) * (HEADER + D)  # [HP] bytes
     lo, hi = _lohi(xr, 0)  # [HP * D]
-    lo = tl.reshape(lo, (1, HP, D)).to(tl.float32)
-    hi = tl.reshape(hi, (1, HP, D)).to(tl.float32)
-    cs, cm, inv, m = _group_codes(pool_ptr, rec[None, :, None], lo, hi)
-    q = _bits((xr.to(tl.float32) - tl.reshape(m, (1, HP * D))) * tl.reshape(inv, (1, HP * D)))
+    a = tl.maximum(tl.abs(lo.to(tl.float32)), tl.abs(hi.to(tl.float32)))
+    cs, inv = _key_codes(pool_ptr, rec[None, :, None], tl.reshape(a, (1, HP, D)))
+    q = _bits(xr.to(tl.float32) * tl.reshape(inv, (1, HP * D)) + K_OFFSET)  # the product rounds, then the sum
     _store_words(pool_ptr, base, head0, tl.reshape(_pack(q, 4), (BS, HP * D // 8)), BS, D // 8)
     j = tl.arange(0, D // 4)[None, :]  # codes as 32-bit words
     p32 = pool_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + ((rec + HEADER) // 4)[:, None] + j  # [HP, D // 4]
     tl.store(p32, tl.reshape(_pack(_code_order(tl.reshape(cs, (HP, D)), D), 8), (HP, D // 4)))
-    tl.store(p32 + D // 4, tl.reshape(_pack(_code_order(tl.reshape(cm, (HP, D)), D), 8), (HP, D // 4)))
 
 
 @triton.jit
@@ -156,7 +169,7 @@ def store_int4_v(pool_ptr, base, scale_base, krec_base, head0, xr, BS: tl.conste
     lo = tl.reshape(tl.trans(lo), (BS, HP, G)).to(tl.float32)
     hi = tl.reshape(tl.trans(hi), (BS, HP, G)).to(tl.float32)
     hh = tl.arange(0, HP)
-    rec = krec_base + (head0 + hh) * (HEADER + 2 * D) + 8
+    rec = krec_base + (head0 + hh) * (HEADER + D) + 8
     cs, cm, inv, m = _group_codes(pool_ptr, rec[None, :, None], lo, hi)  # [BS, HP, G]
     m4 = tl.trans(tl.reshape(m, (BS, HP * G)))[:, :, None, None]
     inv4 = tl.trans(tl.reshape(inv, (BS, HP * G)))[:, :, None, None]
@@ -211,7 +224,7 @@ def _nibble(c, DOT: tl.constexpr):
 def load_int4_tile(pool_ptr, base, row, n_mask, head, DATA_OFF: tl.constexpr, SCALE_OFF: tl.constexpr,
                    IS_KEY: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr):
     """Rows `row` [N] (of [KVH, BS]) of the pages' layer regions at byte offsets `base` [N], one KV
-    head -> [N, D] in DOT: q * s + m with (s, m) decoded from the codes, all in DOT (fp16 on the GPU:
+    head -> [N, D] in DOT: (q - 7.5) s (keys) or q * s + m (values) with (s, m) decoded from the codes, all in DOT (fp16 on the GPU:
     packed half2 math, fp16 rounding like the fp16 dot operands themselves)."""
     m2 = n_mask[:, None]
     HALF: tl.constexpr = D // 2
@@ -219,18 +232,16 @@ def load_int4_tile(pool_ptr, base, row, n_mask, head, DATA_OFF: tl.constexpr, SC
     j = tl.arange(0, HALF)
     b = tl.load(pool_ptr + (base + DATA_OFF + row * HALF)[:, None] + j[None, :], mask=m2, other=0)
     q = tl.reshape(tl.join(_nibble(b & 0xF, DOT), _nibble(b >> 4, DOT)), (N, D))  # [N, D]
-    if IS_KEY:  # record [K header | V header | s codes [D] | m codes [D]] per head, per channel
-        rec = base + SCALE_OFF + head * (HEADER + 2 * D)
-        m_base, m_step, s_step = _header(pool_ptr, rec, n_mask, DOT)
-        d = tl.arange(0, D)
-        cs = tl.load(pool_ptr + (rec + HEADER)[:, None] + code_slot(d)[None, :], mask=m2, other=0)
-        cm = tl.load(pool_ptr + (rec + HEADER + D)[:, None] + code_slot(d)[None, :], mask=m2, other=0)
-        x = q * (_code(cs, DOT) * s_step) + (_code(cm, DOT) * m_step + m_base)
+    if IS_KEY:  # record [K header | V header | s codes [D]] per head; (q - 7.5) s per channel
+        rec = base + SCALE_OFF + head * (HEADER + D)
+        _, _, s_step = _header(pool_ptr, rec, n_mask, DOT)
+        cs = tl.load(pool_ptr + (rec + HEADER)[:, None] + code_slot(tl.arange(0, D))[None, :], mask=m2, other=0)
+        x = (q - K_OFFSET) * (_code(cs, DOT) * s_step)
     else:  # codes [KVH, BS, 2, G] per token and 32 channels; the header sits in the K record, and
         # the K scale region starts at 2 * DATA_OFF (layout: [K data | V data | K scales | ...])
         G: tl.constexpr = D // 32
         F32: tl.constexpr = tl.float32  # (s, m) per 32 channels: cheap in fp32, rounded once to DOT
-        m_base, m_step, s_step = _header(pool_ptr, base + 2 * DATA_OFF + head * (HEADER + 2 * D) + 8, n_mask, F32)
+        m_base, m_step, s_step = _header(pool_ptr, base + 2 * DATA_OFF + head * (HEADER + D) + 8, n_mask, F32)
         g = tl.arange(0, G)
         cb = (base + SCALE_OFF + row * (2 * G))[:, None] + g[None, :]
         s = (_code(tl.load(pool_ptr + cb, mask=m2, other=0), F32) * s_step).to(DOT)  # [N, G]

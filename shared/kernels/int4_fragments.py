@@ -4,7 +4,7 @@
 operands without moving data (checked at compile time, `assert_trivial=True`). Gluon; GPU only.
 
 Memory (kv/layout.py): a token's D channels are D/8 little-endian words, channel 8w + i in nibble i
-of word w; the page's K codes (s, m) per channel, each eight stored as channels 0, 1, 4, 5, 2, 3, 6, 7
+of word w; the page's K s codes per channel, each eight stored as channels 0, 1, 4, 5, 2, 3, 6, 7
 (so a word's bytes pair up as (c, c + 4)); V codes (s, m) per token and 32-channel group.
 
 - K is the A operand [16 tokens, D] of S^T = K . q^T. A thread (g = lane/4, t = lane%4) loads the

@@ -13,7 +13,7 @@ Dequantization without float conversion instructions (integer ops + bitcast to f
     fp8 e5m2: fp16 bits = byte << 8                               (exact)
     fp8 e4m3: fp16 bits = sign << 8 | (byte & 0x7f) << 7 = x * 2**-8  (exact; 2**8 folded into scale)
     int8:     fp16(0x6400 | (byte ^ 0x80)) - 1152 = x               (exact)
-    int4:     fp32(0x4B000000 | nibble) - 2**23 = q; x = q * s + m (scales per element, in-tile)
+    int4:     fp32(0x4B000000 | nibble) - 2**23 = q; keys (q - 7.5) s, values q * s + m (scales per element, in-tile)
 Per-token scales (fp8 page scale, int8 token scale) multiply the score columns (K) and the
 probabilities (V) instead of the tiles: one multiply per token, not per element.
 """

@@ -11,11 +11,11 @@ one copy. Inside a block, layer by layer:
     scales per format (see KVFormat below):
       fp8_e4m3 / fp8_e5m2: K, V  [kv_heads]                float32  x = q * s
       int8:                K, V  [kv_heads, block_size]    float16  x = q * s (symmetric, per token)
-      int4:                K     [kv_heads, 16 + 2 * head_dim]  uint8, one record per head:
-                                   bytes 0..7   K header: bf16 (m_base, m_step, s_step, 0)
+      int4:                K     [kv_heads, 16 + head_dim]  uint8, one record per head:
+                                   bytes 0..7   K header: bf16 (0, 0, s_step, 0)
                                    bytes 8..15  V header: bf16 (m_base, m_step, s_step, 0)
-                                   then K s codes [head_dim] u8, K m codes [head_dim] u8,
-                                   each eight channels in the order 0 1 4 5 2 3 6 7
+                                   then K s codes [head_dim] u8, each eight channels in the
+                                   order 0 1 4 5 2 3 6 7
                            V     [kv_heads, block_size, 2, head_dim // 32]  uint8 codes per token
                                    and 32-channel group: [.., 0, g] = s code, [.., 1, g] = m code
       auto / fp16 / bf16 / fp32: no scales
@@ -24,23 +24,29 @@ Quantization math (the torch reference in `quant.py` and the Triton kernels must
 scales are rounded to their stored form *before* quantizing, so dequantization uses what is stored):
     fp8:  s = max(absmax(x[head]), 1e-6) / FMAX  (FMAX 448 e4m3, 57344 e5m2); q = cast(clamp(x / s, ±FMAX))
     int8: s = max(absmax(x[head, token]), 1e-6) / 127; q = clamp(round_half_even(x / s), -127, 127)
-    int4: x = q * s + m. Groups: K = each channel over the block's tokens, V = each token's 32-channel
-          group. Each group's (s, m) is an 8-bit code pair against a per-(block, layer, head, K|V)
-          header ("double quantization"); lo, hi = the group's min, max; 1/a = RN(1 / a) (IEEE):
-            m_base = down(min lo);  m_step = up(max((max lo - m_base) / 255, 2**-24))
-            cm     = min(floor((lo - m_base) * 1/m_step), 255), minus 1 if cm * m_step + m_base > lo
-            m      = cm * m_step + m_base                              (m <= lo, exactly)
-            span   = hi - m;  s_step = up(max(max span / 3825, 2**-24))
-            cs     = clamp(ceil(span * 1/(15 * s_step)), 1, 255);  s = cs * s_step
-            q      = clamp(round_half_even((x - m) * 1/s), 0, 15)    (never clamps: 0 <= y <= 15.0000036)
+    int4: values x = q * s + m, keys x = (q - 7.5) * s (symmetric: the engine centers every key on
+          its static per-channel center first, model/key_centers.py). Groups: K = each channel over
+          the block's tokens, V = each token's 32-channel group. Each group's scale s (and V's m) is
+          an 8-bit code against a per-(block, layer, head, K|V) bf16 header ("double quantization");
+          lo, hi = the group's min, max; a = max(|lo|, |hi|); 1/a = RN(1 / a) (IEEE):
+          keys:   s_step = up(max(max a / 1912.5, 2**-24))                     (1912.5 = 7.5 * 255)
+                  cs     = clamp(ceil(a * 1/(7.5 * s_step)), 1, 255);  s = cs * s_step
+                  q      = clamp(round_half_even((x * 1/s) + 7.5), 0, 15)   (two roundings, in this order)
+          values: m_base = down(min lo);  m_step = up(max((max lo - m_base) / 255, 2**-24))
+                  cm     = min(floor((lo - m_base) * 1/m_step), 255), minus 1 if cm * m_step + m_base > lo
+                  m      = cm * m_step + m_base                              (m <= lo, exactly)
+                  span   = hi - m;  s_step = up(max(max span / 3825, 2**-24))
+                  cs     = clamp(ceil(span * 1/(15 * s_step)), 1, 255);  s = cs * s_step
+                  q      = clamp(round_half_even((x - m) * 1/s), 0, 15)    (never clamps: 0 <= y <= 15.0000036)
           down/up round an fp32 to bf16 (8 significant bits) toward -inf/+inf by integer ops on its
           bits: the header is exact in bf16 and code * step is exact in fp32 (an FMA gives the same
           m). Divisions by a group's scale are multiplies by one reciprocal per group (cheap in the
-          kernel, bit-identical in torch); the kernel must not fuse (x - m) * 1/s into the rounding.
+          kernel, bit-identical in torch); the kernel must not fuse a product into the next add.
           The V header sits in the K record (the V loader finds it at 2 * v_data_offset, which is
           k_scale_offset), so both scale regions index by head or row alone.
-          Bits per element: K 4 + (16 + 2 * head_dim) * 8 / (block_size * head_dim) (5.125 at
-          head_dim 64, block 16), V 4 + 0.5: 4.81 on average (v1, fp16 (s, m): 5.5).
+          Bits per element: K 4 + (16 + head_dim) * 8 / (block_size * head_dim) (4.625 at head_dim
+          64, 4.5625 at 128, block 16), V 4 + 0.5: 4.53-4.56 on average (v2, asymmetric keys with
+          m codes: 4.78-4.81; v1, fp16 (s, m): 5.5).
 float16 scales (int8) are clamped to >= 2**-24 (fp16's smallest subnormal) after rounding, so a
 near-zero group never stores s = 0 (int8's 1e-6 / 127 floor would round to 0 in fp16).
 The whole block is quantized at once (see kernels/backend.py), so per-block scales are exact.
@@ -56,7 +62,8 @@ KVCacheDtype = Literal["auto", "fp16", "bf16", "fp32", "fp8", "fp8_e4m3", "fp8_e
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp16", "bf16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 
 INT4_GROUP = 32  # channels per value group in int4 (KIVI-style per-token groups)
-INT4_HEADER = 16  # bytes of the two bf16 (m_base, m_step, s_step, 0) headers in each int4 K record
+INT4_HEADER = 16  # bytes of the K and V bf16 headers at the start of each int4 K record
+INT4_K_OFFSET = 7.5  # int4 keys are symmetric: x = (q - 7.5) * s, q in 0..15
 _ALIGN = 16  # bytes; regions start on 16-byte boundaries so kernels can use vector loads
 
 
@@ -106,8 +113,8 @@ class KVFormat:
             return kv_heads
         if self.name == "int8":
             return kv_heads * block_size
-        if self.name == "int4":  # per head: K and V headers, then s and m codes per channel
-            return kv_heads * (INT4_HEADER + 2 * head_dim)
+        if self.name == "int4":  # per head: K and V headers, then an s code per channel
+            return kv_heads * (INT4_HEADER + head_dim)
         return 0
 
     def v_scale_count(self, kv_heads: int, block_size: int, head_dim: int) -> int:

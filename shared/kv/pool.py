@@ -121,7 +121,7 @@ def view_layer_bytes(L: BlockLayout, base: torch.Tensor) -> LayerView:
     if L.kv_dtype == "int8":
         ks, vs = ks.view(-1, H, bs), vs.view(-1, H, bs)
     elif L.kv_dtype == "int4":
-        ks, vs = ks.view(-1, H, INT4_HEADER + 2 * D), vs.view(-1, H, bs, 2, D // INT4_GROUP)
+        ks, vs = ks.view(-1, H, INT4_HEADER + D), vs.view(-1, H, bs, 2, D // INT4_GROUP)
     else:
         ks, vs = ks.view(-1, H), vs.view(-1, H)
     return LayerView(k, v, ks, vs)

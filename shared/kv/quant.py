@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.kv.layout import INT4_GROUP, INT4_HEADER, KVFormat
+from kvmesh.kv.layout import INT4_GROUP, INT4_HEADER, INT4_K_OFFSET, KVFormat
 from kvmesh.kv.pool import SCALE_DTYPES, STORAGE_DTYPES, LayerView
 
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
@@ -106,22 +106,34 @@ def _bf16_round(x: torch.Tensor, up: bool) -> torch.Tensor:
 
 
 def _int4_code_slots(d: int, device) -> torch.Tensor:
-    """Record position -> channel of the K s/m codes (kv/layout.py: channels 2-3 and 4-5 of each
+    """Record position -> channel of the K s codes (kv/layout.py: channels 2-3 and 4-5 of each
     eight swap places; the permutation is its own inverse)."""
     c = torch.arange(d, device=device)
     return (c & -8) | (c & 1) | ((c & 2) << 1) | ((c & 4) >> 1)
 
 
-def int4_key_codes(rec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K records [..., 16 + 2 D] -> their (s codes, m codes) [..., D] in channel order."""
-    d = (rec.shape[-1] - INT4_HEADER) // 2
-    slots = _int4_code_slots(d, rec.device)  # record order -> channel order (the swap is its own inverse)
-    return rec[..., INT4_HEADER:INT4_HEADER + d][..., slots], rec[..., INT4_HEADER + d:][..., slots]
+def int4_key_codes(rec: torch.Tensor) -> torch.Tensor:
+    """K records [..., 16 + D] -> their s codes [..., D] in channel order."""
+    slots = _int4_code_slots(rec.shape[-1] - INT4_HEADER, rec.device)  # the swap is its own inverse
+    return rec[..., INT4_HEADER:][..., slots]
+
+
+def _int4_key_codes(a: torch.Tensor):
+    """Channel absmax [n, H, D] -> (K header u8 [n, H, 8], s codes u8 [n, H, D], 1 / s float32):
+    layout.py's symmetric keys, every rounding before use."""
+    one = _divisor(1.0, a)
+    s_step = _bf16_round((a.amax(dim=2) / _divisor(INT4_K_OFFSET * INT4_CODES, a)).clamp(min=INT4_STEP_FLOOR),
+                         up=True)  # [n, H]
+    cs = torch.ceil(a * (one / (s_step * INT4_K_OFFSET))[..., None]).clamp(1, INT4_CODES)
+    inv = one / (cs * s_step[..., None])
+    zero = torch.zeros_like(s_step)
+    header = torch.stack((zero, zero, s_step, zero), dim=2).to(torch.bfloat16)
+    return header.view(torch.uint8), cs.to(torch.uint8), inv
 
 
 def _int4_group_codes(lo: torch.Tensor, hi: torch.Tensor):
-    """Group minima/maxima [n, H, groups] -> (header u8 [n, H, 8], s codes, m codes u8 [n, H, groups],
-    1 / s, m float32 [n, H, groups]): layout.py's double quantization, every rounding before use."""
+    """Value group minima/maxima [n, H, groups] -> (header u8 [n, H, 8], s codes, m codes u8 [n, H,
+    groups], 1 / s, m float32 [n, H, groups]): layout.py's double quantization, every rounding before use."""
     one = _divisor(1.0, lo)
     m_base = _bf16_round(lo.amin(dim=2), up=False)  # [n, H]
     m_step = _bf16_round(((lo.amax(dim=2) - m_base) / _divisor(INT4_CODES, lo)).clamp(min=INT4_STEP_FLOOR), up=True)
@@ -138,17 +150,16 @@ def _int4_group_codes(lo: torch.Tensor, hi: torch.Tensor):
 
 
 def _quantize_int4(kx: torch.Tensor, vx: torch.Tensor) -> QuantizedBlocks:
-    """kx, vx float32 [n, H, bs, D] -> packed nibbles, K records [n, H, 16 + 2D] (K header, V header,
-    s codes, m codes) and V codes [n, H, bs, 2, G] (layout.py)."""
+    """kx, vx float32 [n, H, bs, D] -> packed nibbles, K records [n, H, 16 + D] (K header, V header,
+    s codes) and V codes [n, H, bs, 2, G] (layout.py)."""
     n, H, bs, D = kx.shape
-    kh, kcs, kcm, kinv, km = _int4_group_codes(kx.amin(dim=2), kx.amax(dim=2))  # groups [n, H, D]
-    kq = torch.round((kx - km[:, :, None, :]) * kinv[:, :, None, :]).clamp(0, INT4_LEVELS)
+    kh, kcs, kinv = _int4_key_codes(kx.abs().amax(dim=2))  # groups [n, H, D]
+    kq = torch.round(kx * kinv[:, :, None, :] + INT4_K_OFFSET).clamp(0, INT4_LEVELS)  # two roundings, as layout.py
     g = vx.view(n, H, bs, D // INT4_GROUP, INT4_GROUP)
     vh, vcs, vcm, vinv, vm = _int4_group_codes(g.amin(dim=4).view(n, H, -1), g.amax(dim=4).view(n, H, -1))
     vinv, vm = vinv.view(n, H, bs, -1, 1), vm.view(n, H, bs, -1, 1)
     vq = torch.round((g - vm) * vinv).clamp(0, INT4_LEVELS).view(n, H, bs, D)
-    slots = _int4_code_slots(kcs.shape[-1], kcs.device)
-    k_rec = torch.cat((kh, vh, kcs[..., slots], kcm[..., slots]), dim=2)
+    k_rec = torch.cat((kh, vh, kcs[..., _int4_code_slots(D, kcs.device)]), dim=2)
     v_codes = torch.stack((vcs.view(n, H, bs, -1), vcm.view(n, H, bs, -1)), dim=3)  # [n, H, bs, 2, G]
     return QuantizedBlocks(_pack_int4(kq), _pack_int4(vq), k_rec, v_codes)
 
@@ -206,10 +217,10 @@ def dequantize(kq: torch.Tensor, vq: torch.Tensor, ks: torch.Tensor | None, vs: 
     elif name == "int8":
         k = kq.float().mul_(ks.float()[..., None])
         v = vq.float().mul_(vs.float()[..., None])
-    else:  # int4: x = q * s + m, codes -> (s, m) per group first (small)
+    else:  # int4: keys (q - 7.5) s, values q s + m; codes -> (s, m) per group first (small)
         D = kq.shape[-1] * 2
-        s, m = _int4_scales(ks, 0, *int4_key_codes(ks))
-        k = _unpack_int4(kq).mul_(s[:, :, None, :]).add_(m[:, :, None, :])
+        s = int4_key_codes(ks).float() * _int4_header(ks, 0)[2]  # [n, H, D]
+        k = _unpack_int4(kq).sub_(INT4_K_OFFSET).mul_(s[:, :, None, :])  # (q - 7.5) s: exact in fp32
         s, m = _int4_scales(ks, 8, vs[:, :, :, 0], vs[:, :, :, 1])  # [n, H, bs, G]
         n, H, bs = vs.shape[:3]
         g = _unpack_int4(vq).view(n, H, bs, D // INT4_GROUP, INT4_GROUP)

@@ -1,4 +1,4 @@
-"""Static key centering for FP8 KV caches.
+"""Static key centering for FP8 and INT4 KV caches.
 
 Every post-RoPE key loses a constant vector per (layer, KV head) before it is cached and attended.
 Softmax ignores a shift that all of a query's keys share (q . (k - c) = q . k - q . c), so attention
@@ -8,7 +8,8 @@ holds 44-70 % of their energy and e4m3's relative rounding hit that offset again
 rounded to fp16 so that every process of a deployment computes the same ones; they are computed once
 per model and kept in the model cache directory beside the converted weights. Their digest joins the
 kvstore layout id, so a worker never reads pages written under other centers (the calibration text is
-the local Python's stdlib source: another Python version may compute other centers).
+the local Python's stdlib source: another Python version may compute other centers). INT4 caches
+store keys symmetric around zero (kv/layout.py), which only works once the offset is gone.
 """
 from __future__ import annotations
 
@@ -54,6 +55,12 @@ class _KeyMeans:
     def write(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
               meta: AttentionMetadata) -> None:
         pass
+
+
+def centers_keys(kv_dtype: str) -> bool:
+    """Whether a cache of this canonical KV dtype holds centered keys (FP8 rounds them, INT4 stores
+    them symmetric around zero)."""
+    return kv_dtype.startswith("fp8") or kv_dtype == "int4"
 
 
 def calibration_ids(model: str, vocab_size: int) -> torch.Tensor:
