@@ -16,7 +16,8 @@ token a sequence keeps (in fp16, as on a GPU).
     ... --calib-source code       # static key centers from other text than the one measured
 
 Results and the reasoning behind them: docs/kv_cache.md, "FP8 levers (simulation)" and "INT4 keys
-without m codes" (the int4 levers run kv/quant.py's real format; `int4_ksym` drops its K m codes).
+without m codes" (the int4 levers run kv/quant.py's real format, whose keys are symmetric since
+then: `int4_K_center` is what the engine stores, `int4` the same keys uncentered).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from corpus import stdlib_docstrings  # noqa: E402
 
 from kvmesh.kv.layout import BlockLayout, _align  # noqa: E402
-from kvmesh.kv.quant import _bf16_round, dequantize_blocks, quantize_blocks  # noqa: E402
+from kvmesh.kv.quant import dequantize_blocks, quantize_blocks  # noqa: E402
 from kvmesh.model.loader import load_model  # noqa: E402
 from kvmesh.model.tokenizer import Tokenizer  # noqa: E402
 
@@ -119,22 +120,10 @@ def _int4_shipped(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return dequantize_blocks(quantize_blocks(xt, xt, "int4"), "int4")
 
 
-def q_int4_ksym(x: torch.Tensor) -> torch.Tensor:
-    """Keys per channel over the block, symmetric: levels (q - 7.5) s, q in 0..15, so no m code.
-    s is an 8-bit code (rounded up) against a bf16 step per (block, head), as the shipped format
-    stores its s codes; what it saves is the format's 8-bit m code per channel (D bytes a head)."""
-    a = x.abs().amax(dim=2)  # [n, H, D]
-    s_step = _bf16_round((a.amax(dim=2) / (7.5 * 255)).clamp(min=2.0 ** -30), up=True)  # [n, H]
-    cs = torch.ceil(a / (7.5 * s_step[..., None])).clamp(1, 255)
-    s = (cs * s_step[..., None])[:, :, None, :]  # [n, H, 1, D]
-    q = (torch.floor(x / s) + 8).clamp(0, 15)  # the nearest half-integer level of x / s
-    return (q - 7.5) * s
-
-
 QUANTIZERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "exact": q_exact, "fp8": q_fp8, "fp8_mse": q_fp8_mse, "fp8_chan": q_fp8_chan, "fp8_tok": q_fp8_tok,
     "fp8_mean16": smoothed(_mean_fp16), "fp8_mean8": smoothed(_mean_fp8),
-    "int4_k": lambda x: _int4_shipped(x)[0], "int4_v": lambda x: _int4_shipped(x)[1], "int4_ksym": q_int4_ksym,
+    "int4_k": lambda x: _int4_shipped(x)[0], "int4_v": lambda x: _int4_shipped(x)[1],
 }
 
 
@@ -183,8 +172,8 @@ class Lever:
         if self.k == "exact" and self.v == "exact":
             return 1.0
         f16 = BlockLayout(layers, kvh, d, BS, "fp16")
-        if self.k.startswith("int4"):  # the shipped INT4 page, less its K m codes where keys are symmetric
-            page = BlockLayout(layers, kvh, d, BS, "int4").block_bytes - (layers * kvh * d if self.k == "int4_ksym" else 0)
+        if self.k.startswith("int4"):  # the shipped INT4 page
+            page = BlockLayout(layers, kvh, d, BS, "int4").block_bytes
         else:
             f8 = BlockLayout(layers, kvh, d, BS, "fp8_e4m3")
             page = (f8.block_bytes + layers * (extra_meta_bytes(self.k, kvh, d) + extra_meta_bytes(self.v, kvh, d))
@@ -217,10 +206,9 @@ def _levers() -> list[Lever]:
         L("K center+K mean fp8", center=True, k="fp8_mean8"),
         L("K center+K per-token scale", center=True, k="fp8_tok"),
         L("K center+K per-token scale+sink16", center=True, k="fp8_tok", sink=16),
-        # INT4: the shipped format, and keys without their m codes (symmetric), centered or not
+        # INT4: the shipped format (symmetric keys) uncentered, centered as the engine stores it, + a sink
         L("int4", k="int4_k", v="int4_v"), L("int4 K center", center=True, k="int4_k", v="int4_v"),
-        L("int4 K sym", k="int4_ksym", v="int4_v"), L("int4 K sym center", center=True, k="int4_ksym", v="int4_v"),
-        L("int4 K sym center+sink4", center=True, k="int4_ksym", v="int4_v", sink=4),
+        L("int4 K center+sink4", center=True, k="int4_k", v="int4_v", sink=4),
     ]
 
 

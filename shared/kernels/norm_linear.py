@@ -4,7 +4,7 @@ A decode step of a small model is bound by its kernel count, not its bytes: each
 a cuBLAS GEMM and RoPE for its q/k/v, and RMSNorm, a GEMM and the gated SiLU for its MLP, six
 kernels a CUDA graph replays one after another. Here each triple is one kernel:
 
-- `norm_qkv_rope`: qkv = rope(rms_norm(x) @ W_qkv^T + b), the keys minus their centers (FP8 KV);
+- `norm_qkv_rope`: qkv = rope(rms_norm(x) @ W_qkv^T + b), the keys minus their centers (FP8 and INT4 KV);
 - `norm_gate_up`: h = silu(rms_norm(x) @ W_gate^T) * (rms_norm(x) @ W_up^T).
 
 One program computes a [BM rows, BN channels] tile of two accumulators side by side whose weight

@@ -5,7 +5,7 @@ which a decode step's CUDA graph replays one after another at a few microseconds
 out[t, h, c] = x[t, h, c] cos[t, c] + sign(c) x[t, h, (c + D/2) mod D] sin[t, c], sign -1 on the first
 half; computed in fp32 and rounded once to x's dtype (torch rounds each of its three ops).
 
-With key centers (FP8 KV, `model/key_centers.py`) the same launch also subtracts center[h - first] from
+With key centers (FP8 and INT4 KV, `model/key_centers.py`) the same launch also subtracts center[h - first] from
 heads h >= first, the keys: the rotated key rounded to x's dtype, then the difference rounded again,
 as torch's `k - center` after the rotation rounds it (one kernel a layer fewer, the same bits).
 """

@@ -78,7 +78,7 @@ class Attention(nn.Module):
         T = x.shape[0]
         qkv = self.qkv_proj(x).view(T, self.h + 2 * self.kvh, self.d)  # [T, H + 2 KVH, D]
         # one rotation for q and k together (fewer kernel launches per layer); with key centers
-        # (FP8 KV) the keys lose theirs in the same pass: a shift softmax ignores
+        # (FP8 and INT4 KV) the keys lose theirs in the same pass: a shift softmax ignores
         if self.native is not None and qkv.dtype == torch.bfloat16:
             qk = self.native.rope(qkv[:, :self.h + self.kvh], cos, sin)  # [T, H + KVH, D], one pass
             if self.key_center is not None:
