@@ -59,8 +59,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         # Lease everything first: later blocks must survive while earlier ones stream.
         self.store.lease(hashes, request.lease_holder, request.lease_seconds)
         with self._timed("get"):
-            for h in hashes:
-                block = self.store.get(h, request.lease_holder, request.lease_seconds)
+            # one copy of the blocks held in GPU memory, waited for off the event loop (BlockReads)
+            reads = self.store.get_many(hashes, request.lease_holder, request.lease_seconds)
+            blocks = await asyncio.to_thread(reads.blocks) if reads.waits else reads.blocks()
+            for h, block in zip(hashes, blocks):
                 if block is None:
                     yield missing_chunk(h)
                     continue

@@ -1,7 +1,8 @@
 """Slab: one preallocated buffer cut into equal block slots, in GPU memory or host memory.
 
 Allocated once, so storing a block never mallocs; a block occupies one slot (its size may be smaller
-than the slot). Free slots are a LIFO stack (reuse the warmest memory first).
+than the slot). Free slots are a LIFO stack (reuse the warmest memory first). `copy_out` reads many
+slots at once: on the GPU one gather and one device-to-host copy, not one waiting copy a block.
 """
 from __future__ import annotations
 
@@ -73,8 +74,37 @@ class Slab:
             return self._host[slot, :size].tobytes()
         return self._gpu[slot, :size].cpu().numpy().tobytes()
 
+    def copy_out(self, slots: list[int], sizes: list[int]) -> "SlotCopy":
+        """The bytes of `slots` (the first sizes[i] of each), copied now: on the GPU the gather is
+        queued at once, so a later write into those slots cannot reach it; `SlotCopy.views` then
+        waits for the one device-to-host copy."""
+        if self._host is not None:
+            return SlotCopy(self._host[slots], sizes)  # [n, B] (fancy indexing copies)
+        import torch
+        idx = torch.tensor(slots, dtype=torch.int64).to(self._gpu.device)
+        return SlotCopy(self._gpu.index_select(0, idx), sizes)  # [n, B] on the GPU
+
     def view(self, slot: int, size: int):
         """The slot's bytes in place (numpy uint8 [size] or torch uint8 [size] on the GPU), no copy."""
         if self._host is not None:
             return self._host[slot, :size]
         return self._gpu[slot, :size]
+
+
+class SlotCopy:
+    """Slots' bytes taken out of a slab (`Slab.copy_out`): rows [n, slot_bytes] on the host, or on
+    the GPU until `views` copies them over (call it off the event loop when `waits`)."""
+
+    def __init__(self, rows, sizes: list[int]) -> None:
+        self._rows = rows  # numpy uint8 [n, B], or torch uint8 [n, B] on the GPU
+        self._sizes = sizes
+
+    @property
+    def waits(self) -> bool:
+        """Whether `views` waits for a device-to-host copy."""
+        return not isinstance(self._rows, np.ndarray)
+
+    def views(self) -> list[memoryview]:
+        """Each slot's bytes as a memoryview over one host copy of them all."""
+        rows = self._rows if isinstance(self._rows, np.ndarray) else self._rows.cpu().numpy()
+        return [memoryview(rows[i, :n]) for i, n in enumerate(self._sizes)]

@@ -8,7 +8,9 @@ until it is down to --low-watermark; an evicted block demotes to the host tier w
 host tier evicts its own LRU blocks for good). A get that hits the host tier promotes the block back.
 Leased blocks are never evicted. Every block that enters or finally leaves the store is queued as an
 event for the index publisher; a block moving between tiers is still held and is not an event.
-Single-threaded by design: the gRPC server calls it from one event loop.
+Single-threaded by design: the gRPC server calls it from one event loop. `get_many` reads the
+primary tier's blocks of a request in one copy (`Slab.copy_out`) whose device-to-host half may wait
+in a worker thread: by then the bytes are a private copy, and the store is not touched.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from kvmesh.kvstore import checksum
 from kvmesh.kvstore.block import StoredBlock
 from kvmesh.kvstore.config import KVStoreConfig
 from kvmesh.kvstore.leases import LeaseTable
-from kvmesh.kvstore.slab import Slab, resolve_device
+from kvmesh.kvstore.slab import Slab, SlotCopy, resolve_device
 
 
 class PutResult(Enum):
@@ -42,6 +44,25 @@ class _Entry:
     crc32: int
     layout: str
     token_ids: tuple[int, ...]
+
+
+class BlockReads:
+    """What `BlockStore.get_many` found, per hash: a block, None, or (hash, entry, row) of a primary-tier
+    block whose bytes are row `row` of one `SlotCopy` until `blocks()` (which waits for that copy
+    when `waits`: call it off the event loop)."""
+
+    def __init__(self, items: list, copy: SlotCopy | None) -> None:
+        self._items = items
+        self._copy = copy
+
+    @property
+    def waits(self) -> bool:
+        return self._copy is not None and self._copy.waits
+
+    def blocks(self) -> list[StoredBlock | None]:
+        views = self._copy.views() if self._copy is not None else []
+        return [StoredBlock(x[0], list(x[1].token_ids), views[x[2]], x[1].layout, crc32=x[1].crc32)
+                if isinstance(x, tuple) else x for x in self._items]
 
 
 @dataclass(frozen=True)
@@ -199,6 +220,25 @@ class BlockStore:
             tier.lru.move_to_end(block_hash)
         self._bytes_out += entry.size
         return StoredBlock(block_hash, list(entry.token_ids), data, entry.layout, crc32=entry.crc32)
+
+    def get_many(self, hashes: list[bytes], lease_holder: str = "", lease_seconds: float = 0.0) -> BlockReads:
+        """`get` for each hash, the primary tier's blocks in one copy, taken (queued, on the GPU)
+        before any host-tier hit is promoted: a promotion may evict an unleased block of this very
+        request and reuse its slot. A repeated hash is read once."""
+        found = {h: self._find(h) for h in hashes}  # unique, in order
+        primary = [(h, f[1]) for h, f in found.items() if f is not None and f[0] is self._primary]
+        copy = (self._primary.slab.copy_out([e.slot for _, e in primary], [e.size for _, e in primary])
+                if primary else None)
+        items: dict[bytes, StoredBlock | tuple | None] = {}
+        for row, (h, entry) in enumerate(primary):
+            self.leases.grant(h, lease_holder or "anonymous", lease_seconds)
+            self._primary.lru.move_to_end(h)
+            self._bytes_out += entry.size
+            items[h] = (h, entry, row)
+        for h in found:  # the rest one at a time: a promotion above may have moved or dropped them
+            if h not in items:
+                items[h] = self.get(h, lease_holder, lease_seconds)
+        return BlockReads([items[h] for h in hashes], copy)
 
     def _promote(self, block_hash: bytes, entry: _Entry, data: bytes) -> None:
         # Free the host slot first so that blocks the primary demotes to make room can land there.
