@@ -1,5 +1,5 @@
 """Disaggregation hooks: prefill-only in engine A (max_tokens=1, export_kv), import + resume in
-engine B; greedy output identical to one engine doing it all, for unquantized and fp8 KV. Also the
+engine B; greedy output identical to one engine doing it all, for unquantized, fp8 and int4 KV. Also the
 recompute fallback when an imported block is missing, and KV events."""
 from __future__ import annotations
 
@@ -43,6 +43,14 @@ def prefill(eng: LLMEngine, prompt: list[int], logprobs=None):
 @pytest.mark.parametrize("kv_dtype,overlap", [("auto", False), ("fp8", False), ("auto", True)])
 def test_prefill_export_import_resume_equals_one_engine(model_dir, kv_dtype, overlap):
     _hop_equals_one_engine(model_dir, kv_dtype, overlap, "cpu")
+
+
+def test_int4_hop_equals_one_engine(tmp_path, monkeypatch):
+    """INT4 pages (keys centered, symmetric; 32-channel value groups: head_dim 32) cross the hop byte
+    for byte: both engines compute the same key centers."""
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path / "cache"))
+    make_tiny_model(tmp_path / "tiny32", "llama", seed=31, head_dim=32)
+    _hop_equals_one_engine(str(tmp_path / "tiny32"), "int4", False, "cpu")
 
 
 @pytest.mark.gpu
