@@ -235,7 +235,8 @@ class BlockStore:
             self._primary.lru.move_to_end(h)
             self._bytes_out += entry.size
             items[h] = (h, entry, row)
-        for h in found:  # the rest one at a time: a promotion above may have moved or dropped them
+        # host-tier hits and misses one at a time, each found again: promoting one may drop another
+        for h in found:
             if h not in items:
                 items[h] = self.get(h, lease_holder, lease_seconds)
         return BlockReads([items[h] for h in hashes], copy)
