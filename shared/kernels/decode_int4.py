@@ -4,7 +4,8 @@ multiplied by its (s, m).
 
 Keys, per channel c over a page: k = (n - 7.5) * s_c (symmetric), so
     q . k = (q * s) . n - 7.5 * sum(q * s),   q * s = [G, D] once per page
-(the offset from the same rounded q * s the dot takes, so the two parts cancel as they should). Values, per token t and 32-channel group g:
+(the offset from the same rounded q * s the dot takes, so the two parts cancel as they should).
+Values, per token t and 32-channel group g:
     sum_t p_t v_t[group g] = sum_t (p_t * s_tg) n_t[group g] + sum_t p_t m_tg
 so the scales ride on p (one multiply per token and group) and the m part is one [G, BS] x [BS, D/32]
 dot per page. q * s and p * s are normalized by the page's largest s code (the 8-bit path does the

@@ -224,8 +224,9 @@ def _nibble(c, DOT: tl.constexpr):
 def load_int4_tile(pool_ptr, base, row, n_mask, head, DATA_OFF: tl.constexpr, SCALE_OFF: tl.constexpr,
                    IS_KEY: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr):
     """Rows `row` [N] (of [KVH, BS]) of the pages' layer regions at byte offsets `base` [N], one KV
-    head -> [N, D] in DOT: (q - 7.5) s (keys) or q * s + m (values) with (s, m) decoded from the codes, all in DOT (fp16 on the GPU:
-    packed half2 math, fp16 rounding like the fp16 dot operands themselves)."""
+    head -> [N, D] in DOT: (q - 7.5) s (keys) or q * s + m (values) with (s, m) decoded from the
+    codes, all in DOT (fp16 on the GPU: packed half2 math, fp16 rounding like the fp16 dot operands
+    themselves)."""
     m2 = n_mask[:, None]
     HALF: tl.constexpr = D // 2
     N: tl.constexpr = row.shape[0]
