@@ -77,8 +77,7 @@ class LocalKVStoreClient:
     async def get(self, hashes: list[bytes], lease_holder: str = "", lease_seconds: float = 0.0
                   ) -> list[StoredBlock | None]:
         self.store.lease(hashes, lease_holder, lease_seconds)
-        reads = self.store.get_many(hashes, lease_holder, lease_seconds)
-        return await asyncio.to_thread(reads.blocks) if reads.waits else reads.blocks()
+        return await self.store.get_many(hashes, lease_holder, lease_seconds).gather()
 
     async def contains(self, hashes: list[bytes]) -> list[bool]:
         return self.store.contains(hashes)

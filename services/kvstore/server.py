@@ -60,8 +60,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.store.lease(hashes, request.lease_holder, request.lease_seconds)
         with self._timed("get"):
             # one copy of the blocks held in GPU memory, waited for off the event loop (BlockReads)
-            reads = self.store.get_many(hashes, request.lease_holder, request.lease_seconds)
-            blocks = await asyncio.to_thread(reads.blocks) if reads.waits else reads.blocks()
+            blocks = await self.store.get_many(hashes, request.lease_holder, request.lease_seconds).gather()
             for h, block in zip(hashes, blocks):
                 if block is None:
                     yield missing_chunk(h)

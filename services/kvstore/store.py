@@ -14,6 +14,7 @@ in a worker thread: by then the bytes are a private copy, and the store is not t
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -45,6 +46,9 @@ class _Entry:
     layout: str
     token_ids: tuple[int, ...]
 
+    def block(self, block_hash: bytes, data) -> StoredBlock:
+        return StoredBlock(block_hash, list(self.token_ids), data, self.layout, crc32=self.crc32)
+
 
 class BlockReads:
     """What `BlockStore.get_many` found, per hash: a block, None, or (hash, entry, row) of a primary-tier
@@ -61,8 +65,11 @@ class BlockReads:
 
     def blocks(self) -> list[StoredBlock | None]:
         views = self._copy.views() if self._copy is not None else []
-        return [StoredBlock(x[0], list(x[1].token_ids), views[x[2]], x[1].layout, crc32=x[1].crc32)
-                if isinstance(x, tuple) else x for x in self._items]
+        return [x[1].block(x[0], views[x[2]]) if isinstance(x, tuple) else x for x in self._items]
+
+    async def gather(self) -> list[StoredBlock | None]:
+        """`blocks()`, its wait for the GPU copy in a worker thread, so the event loop goes on."""
+        return await asyncio.to_thread(self.blocks) if self.waits else self.blocks()
 
 
 @dataclass(frozen=True)
@@ -219,7 +226,7 @@ class BlockStore:
         else:
             tier.lru.move_to_end(block_hash)
         self._bytes_out += entry.size
-        return StoredBlock(block_hash, list(entry.token_ids), data, entry.layout, crc32=entry.crc32)
+        return entry.block(block_hash, data)
 
     def get_many(self, hashes: list[bytes], lease_holder: str = "", lease_seconds: float = 0.0) -> BlockReads:
         """`get` for each hash, the primary tier's blocks in one copy, taken (queued, on the GPU)

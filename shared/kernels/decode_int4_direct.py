@@ -10,7 +10,8 @@ each eight's codes as channels 0 1 4 5 2 3 6 7, so a word holds the (c, c + 4) p
 normal number rounded once; the nibbles enter the MMA as fp16 subnormals n 2**-24 (one mask a pair,
 no conversion; the units join the scale: the H200's tensor cores take subnormal inputs exactly).
 The offset q . m (m = -7.5 s), the same for every token of a page, comes 16 pages at a time from one
-MMA over their s codes against q, at the top of every 16 pages, into shared memory; a chunk loads its page's row.
+MMA over their s codes against q, at the top of every 16 pages, into shared memory; a chunk loads its
+page's row.
 Values (per token t and 32-channel group: v = n s_t + m_t): the thread's channels lie in one group,
 so n s_t comes out of one fma a pair ((1024 + n) s - 1024 s, from the fp16 bit trick; odd channels,
 whose nibble sits 4 bits up, as 16 n s, the 16 taken off their output rows once), in units of

@@ -120,8 +120,9 @@ def _group_codes(pool_ptr, rec, lo, hi):
 
 @triton.jit
 def _key_codes(pool_ptr, rec, a):
-    """Channel absmaxima a [1, HP, D] fp32 -> (s codes from `_bits`, 1 / s) [1, HP, D]; stores each head's
-    bf16 K header (0, 0, s_step, 0) at byte rec [1, HP, 1]. Same operations as quant._int4_key_codes."""
+    """Channel absmaxima a [1, HP, D] fp32 -> (s codes from `_bits`, 1 / s) [1, HP, D]; stores each
+    head's bf16 K header (0, 0, s_step, 0) at byte rec [1, HP, 1]. Same operations as
+    quant._int4_key_group_codes."""
     s_step = _bf16_round(tl.maximum(tl.math.div_rn(_per_head(a, True), K_OFFSET * 255.0), STEP_FLOOR), True)
     cs = tl.minimum(tl.maximum(tl.ceil(a * tl.math.div_rn(1.0, s_step * K_OFFSET)), 1.0), 255.0)
     i = tl.arange(0, 4)[None, None, :]

@@ -118,7 +118,7 @@ def int4_key_codes(rec: torch.Tensor) -> torch.Tensor:
     return rec[..., INT4_HEADER:][..., slots]
 
 
-def _int4_key_codes(a: torch.Tensor):
+def _int4_key_group_codes(a: torch.Tensor):
     """Channel absmax [n, H, D] -> (K header u8 [n, H, 8], s codes u8 [n, H, D], 1 / s float32):
     layout.py's symmetric keys, every rounding before use."""
     one = _divisor(1.0, a)
@@ -153,7 +153,7 @@ def _quantize_int4(kx: torch.Tensor, vx: torch.Tensor) -> QuantizedBlocks:
     """kx, vx float32 [n, H, bs, D] -> packed nibbles, K records [n, H, 16 + D] (K header, V header,
     s codes) and V codes [n, H, bs, 2, G] (layout.py)."""
     n, H, bs, D = kx.shape
-    kh, kcs, kinv = _int4_key_codes(kx.abs().amax(dim=2))  # groups [n, H, D]
+    kh, kcs, kinv = _int4_key_group_codes(kx.abs().amax(dim=2))  # groups [n, H, D]
     kq = torch.round(kx * kinv[:, :, None, :] + INT4_K_OFFSET).clamp(0, INT4_LEVELS)  # two roundings, as layout.py
     g = vx.view(n, H, bs, D // INT4_GROUP, INT4_GROUP)
     vh, vcs, vcm, vinv, vm = _int4_group_codes(g.amin(dim=4).view(n, H, -1), g.amax(dim=4).view(n, H, -1))
