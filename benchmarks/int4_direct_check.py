@@ -33,7 +33,8 @@ from kvmesh.kernels.torch_ref import TorchBackend  # noqa: E402
 VARIANTS = {"default": {}, "nocap": dict(maxnreg=None), "cap128": dict(maxnreg=128), "cap144": dict(maxnreg=144),
             "cap152": dict(maxnreg=152), "cap168": dict(maxnreg=168), "unfused": dict(fused=False), "nopf": dict(l2_prefetch=False),
             "tail_last": dict(tail_first=False), "l1na": dict(l1_no_allocate=True),
-            "l1na_off": dict(l1_no_allocate=False), "registers": dict(ring=0)}
+            "l1na_off": dict(l1_no_allocate=False), "registers": dict(ring=0),
+            "ring2": dict(ring=2), "ring4": dict(ring=4)}
 # and "mod_<name>[:k=v,...]": the kernel of kernels/_<name>_int4_direct.py with those integer keyword
 # arguments (git-ignored copies: "mod_baseline" an earlier version, others an experiment)
 TOL = 2e-3

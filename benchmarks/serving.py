@@ -3,6 +3,7 @@
     python3 benchmarks/serving.py [--topologies engine,colocated,disaggregated] [--kv-cache-dtype int4]
         [--requests 256] [--prompt-len 1024] [--new-tokens 128] [--spread 0.75] [--concurrency 0]
         [--kv-memory-mib 512] [--max-num-seqs 256] [--reps 2] [--device cuda] [--out table.md]
+        [--max-chunk-rates 5000] [--engine-process on,off]
 
 What a user of the API gets next to what the engine could give on the same machine, the same load:
 - "engine": `LLM`'s engine in this process, every request added at once and stepped to the end
@@ -12,6 +13,8 @@ What a user of the API gets next to what the engine could give on the same machi
   HTTP from an aiohttp client in this process;
 - "disaggregated": `kvmesh up` as shipped (one prefill worker hands each prompt's KV to the decode
   worker through the kvstore).
+Each served topology runs a stack per --max-chunk-rates value and per --engine-process value (on: the
+workers' engines in processes of their own, the default; off: in a thread of the worker's process).
 Every setup gets the same pool bytes, flags and requests: prompts of random token ids and greedy
 budgets drawn within ±spread of their means, EOS ignored, so every request generates its budget
 (checked from each stream's usage). A round draws fresh prompts (seeded by the round) that every
@@ -174,6 +177,8 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=4, help="client processes sharing the requests")
     ap.add_argument("--max-chunk-rates", default="5000",
                     help="the decode worker's --max-chunk-rate, a row (and a stack) for each")
+    ap.add_argument("--engine-process", default="on",
+                    help="on, off or on,off: the workers' engines in processes of their own, a stack for each")
     ap.add_argument("--kv-memory-mib", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--reps", type=int, default=2)
@@ -203,12 +208,14 @@ def main() -> None:
                 engine_row(eng, warm, a.device, "warm")
                 setups[name] = lambda ld, r, eng=eng: engine_row(eng, ld, a.device, f"r{r}")
                 continue
-            for rate in a.max_chunk_rates.split(","):
+            for rate, proc in ((r, p) for r in a.max_chunk_rates.split(",") for p in a.engine_process.split(",")):
                 metrics_port = free_port()
+                where = "--engine-process" if proc == "on" else "--no-engine-process"
                 cfg = StackConfig(model=model, kv_cache_dtype=a.kv_cache_dtype, port=0,
                                   engine_flags=engine_flags(a, longest), num_prefill=TOPOLOGIES[name],
                                   log_level="warning", extra_args=(("decode", (
-                                      "--max-chunk-rate", rate, "--metrics-port", str(metrics_port))),))
+                                      "--max-chunk-rate", rate, "--metrics-port", str(metrics_port), where)),
+                                      ("prefill", (where,))))
                 stack = Stack(cfg).start()
                 stacks.append(stack)
                 mid = asyncio.run(_model_id(stack.url))
@@ -218,7 +225,7 @@ def main() -> None:
                     before = preemptions(metrics)
                     row = served_row(*clients.burst(url, mid, ld, a.concurrency), ld)
                     return dict(row, preemptions=preemptions(metrics) - before)
-                setups[f"{name}, chunk rate {rate}"] = run
+                setups[f"{name}, chunk rate {rate}, engine process {proc}"] = run
         best: dict[str, dict] = {}
         for r, ld in enumerate(loads):
             for name, run in setups.items():

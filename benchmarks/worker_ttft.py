@@ -61,7 +61,7 @@ async def main(args: argparse.Namespace) -> None:
         # Same system prompt, a different 8-token user turn each time (the tail is never cached).
         system = [rng.randrange(100, 49000) for _ in range(args.prompt_len - 8)]
         prompt = lambda: system + [rng.randrange(100, 49000) for _ in range(8)]  # noqa: E731
-        ctx = workers[0].runtime.engine.engine.hash_context()
+        ctx = workers[0].runtime.engine.info.hash_context()
         await prefill_once(stubs[0], prompt()[:64], [], "warmup")
         await prefill_once(stubs[1], prompt()[:64], [], "warmup")
         miss, _ = await prefill_once(stubs[0], prompt(), [], "miss")  # computes and puts every block
@@ -72,7 +72,7 @@ async def main(args: argparse.Namespace) -> None:
         reg = workers[1].runtime.metrics.registry
         pulled_bytes = reg.get_sample_value("kvmesh:worker_transfer_bytes_total", {"op": "pull"}) or 0.0
         pull_s = reg.get_sample_value("kvmesh:worker_transfer_seconds_sum", {"op": "pull"}) or 0.0
-        layout = workers[0].runtime.engine.engine.layout
+        layout = workers[0].runtime.engine.info.layout
         print(f"prompt {args.prompt_len} tokens, kv {layout.kv_dtype}, block {layout.block_bytes} B, "
               f"threads {args.threads}")
         print(f"miss                 TTFT {miss:7.3f} s")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Collection, Sequence
+from typing import Any, Awaitable, Callable, Collection, Sequence, Union
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -93,10 +93,11 @@ class BlockTransfer:
         self.metrics = metrics
 
     async def pull(self, engine: Any, hashes: Sequence[bytes], cache_salt: str = "",
-                   local: Collection[bytes] = ()) -> PullResult:
+                   local: Union[Collection[bytes], Callable[[], Awaitable[Collection[bytes]]]] = ()) -> PullResult:
         """Imports the longest prefix of `hashes` available locally or in the kvstore into `engine`
-        (an AsyncEngine). Blocks in `local` (already in the engine's prefix cache) are not fetched.
-        A block the store lacks ends the prefix: the engine recomputes from there."""
+        (an EngineClient). Blocks in `local` (already in the engine's prefix cache; or an async
+        function giving them, asked only when there is something to pull: it waits for the engine)
+        are not fetched. A block the store lacks ends the prefix: the engine recomputes from there."""
         r = await self._pull(engine, hashes, cache_salt, local)
         if self.metrics is not None:
             self.metrics.pulled(r)
@@ -110,9 +111,10 @@ class BlockTransfer:
             self.metrics.pushed(r)
         return r
 
-    async def _pull(self, engine: Any, hashes: Sequence[bytes], cache_salt: str,
-                    local: Collection[bytes]) -> PullResult:
+    async def _pull(self, engine: Any, hashes: Sequence[bytes], cache_salt: str, local) -> PullResult:
         start = time.perf_counter()
+        if hashes and callable(local):
+            local = await local()
         want = [h for h in hashes if h not in local]
         if not want:
             return PullResult([], 0, 0, 0.0)

@@ -53,6 +53,9 @@ class WorkerConfig:
     max_pending_requests: int = 256
     """--max-pending-requests: calls in flight (running + queued) beyond which new ones get
     RESOURCE_EXHAUSTED (the gateway answers 429); 0 = no limit."""
+    engine_process: bool = True
+    """--engine-process / --no-engine-process: run the engine in a process of its own (its steps
+    never wait for the GIL of the gRPC event loop), or in a thread of the worker's."""
 
     def __post_init__(self) -> None:
         if not self.kvstore:
@@ -97,6 +100,8 @@ def add_worker_args(parser: argparse.ArgumentParser, default_port: int) -> argpa
     g.add_argument("--publish-interval", type=float, default=d.publish_interval)
     g.add_argument("--max-pending-requests", type=int, default=d.max_pending_requests,
                    help="calls in flight beyond which new ones are refused (0 = no limit)")
+    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=d.engine_process,
+                   help="run the engine in a process of its own (default) or in a thread of the worker's")
     return parser
 
 
@@ -106,4 +111,5 @@ def worker_fields_from_args(args: argparse.Namespace) -> dict:
     return dict(engine=engine_config_from_args(args), kvstore=nodes, host=args.host, port=args.port,
                 advertise_address=args.advertise_address, redis_url=args.redis_url,
                 metrics_port=args.metrics_port, lease_seconds=args.lease_seconds,
-                publish_interval=args.publish_interval, max_pending_requests=args.max_pending_requests)
+                publish_interval=args.publish_interval, max_pending_requests=args.max_pending_requests,
+                engine_process=args.engine_process)

@@ -36,7 +36,8 @@ class WorkerRuntime:
                  metrics: Optional[Metrics] = None) -> None:
         self.cfg = cfg
         self.role = role
-        self.engine = engine  # kvmesh.engine.async_engine.AsyncEngine
+        self.engine = engine  # kvmesh.engine.engine_client.EngineClient: in this process or its own
+        engine.on_lost = self._engine_lost  # an engine process that dies takes the worker down with it
         self.index = index    # kvmesh.index.PrefixIndex
         self.metrics = metrics or Metrics(model_name=cfg.engine.model, role=role)
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -49,6 +50,7 @@ class WorkerRuntime:
         self._held: set[bytes] = set()
         self._unpublished: dict[bytes, bool] = {}  # hash -> held, drained but not yet in the index
         self._publish_lock = asyncio.Lock()
+        self._next_drain: Optional[asyncio.Future] = None  # the drain callers of local_blocks() share
         self._publisher: Optional[asyncio.Task] = None
         self._stopping = False  # the publish loop's exit condition (stop() also cancels it)
         self._metrics_server: Optional[MetricsServer] = None
@@ -57,6 +59,7 @@ class WorkerRuntime:
         self.pending = 0
         self._stopped = asyncio.Event()
         self._stats: Optional[Any] = None  # the engine's last EngineStats (publish loop), for Load
+        self._lost_stop: Optional[asyncio.Task] = None  # stop() after the engine process died
 
     @property
     def address(self) -> str:
@@ -86,7 +89,9 @@ class WorkerRuntime:
         await self._stopped.wait()
 
     async def stop(self, grace: float = 2.0) -> None:
-        """Stop accepting calls, let running ones finish for `grace` seconds, then tear down."""
+        """Stop accepting calls, let running ones finish for `grace` seconds, then tear down (once)."""
+        if self._stopped.is_set():
+            return
         await self._set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(grace)
         if self._background:
@@ -110,6 +115,12 @@ class WorkerRuntime:
 
     async def _set_status(self, status: int) -> None:
         await self.health.set("", status)
+
+    def _engine_lost(self, why: str) -> None:
+        """The engine process died: every stream has failed; stop serving so the worker exits and
+        whoever runs it (`kvmesh up`'s supervisor, Kubernetes) sees it."""
+        log.error("%s worker %s: %s; stopping", self.role, self.holder, why)
+        self._lost_stop = asyncio.get_running_loop().create_task(self.stop())
 
     def spawn(self, coro) -> asyncio.Task:
         """Run `coro` to completion even if the RPC that started it is cancelled (stop waits for it)."""
@@ -146,12 +157,21 @@ class WorkerRuntime:
 
     # -- prefix-cache events --------------------------------------------------------------------
     async def local_blocks(self) -> set[bytes]:
-        """Hashes in this worker's local prefix cache, up to date as of now (drains events; the index
-        hears of them on the next publish tick, not on this request's path). The live set, not a
-        copy: read it before the next await."""
-        async with self._publish_lock:
-            await self._drain()
+        """Hashes in this worker's local prefix cache, up to date as of now: as of an event drain
+        begun after this call (the index hears of them on the next publish tick, not on this
+        request's path). Concurrent callers share one drain: a drain waits for the engine's step
+        boundary, and one each, in turn, made a burst of requests wait a step apiece. The live set,
+        not a copy: read it before the next await."""
+        drain = self._next_drain
+        if drain is None:
+            drain = self._next_drain = asyncio.ensure_future(self._shared_drain())
+        await asyncio.shield(drain)
         return self._held
+
+    async def _shared_drain(self) -> None:
+        async with self._publish_lock:
+            self._next_drain = None  # whoever asks from now on needs a later drain
+            await self._drain()
 
     async def publish_events(self) -> None:
         """Drain the engine's stored/removed events, track them, publish them under `holder`."""
@@ -170,7 +190,7 @@ class WorkerRuntime:
 
     async def _drain(self) -> None:
         # On the engine thread, between steps: the engine itself is single-threaded.
-        for kind, h in await self.engine.run(lambda e: e.drain_kv_events()):
+        for kind, h in await self.engine.call("drain_kv_events"):
             held = kind == "stored"
             if held:
                 self._held.add(h)
@@ -182,7 +202,7 @@ class WorkerRuntime:
         while not self._stopping:
             try:
                 await self.publish_events()
-                self._stats = await self.engine.run(lambda e: e.stats())
+                self._stats = await self.engine.call("stats")
                 self.metrics.update_from_engine_stats(self._stats)
             except asyncio.CancelledError:
                 raise
@@ -201,10 +221,10 @@ class Worker:
                  metrics: Optional[Metrics] = None) -> None:
         from kvmesh.block_transfer import BlockTransfer, TransferMetrics
         self.runtime = WorkerRuntime(cfg, self.role, engine, index, metrics)
-        llm = engine.engine
-        centers = getattr(getattr(llm, "runner", None), "key_centers_digest", "")
-        model_id = f"{llm.model_id}|kc:{centers}" if centers else llm.model_id  # pages hold centered keys
-        self.transfer = BlockTransfer(kvstore, llm.layout, model_id, self.runtime.holder,
+        info = engine.info
+        centers = info.key_centers_digest
+        model_id = f"{info.model_id}|kc:{centers}" if centers else info.model_id  # pages hold centered keys
+        self.transfer = BlockTransfer(kvstore, info.layout, model_id, self.runtime.holder,
                                       cfg.lease_seconds, TransferMetrics(self.runtime.metrics.registry))
 
     @property
@@ -219,14 +239,20 @@ class Worker:
 
 
 async def serve_worker(cfg: WorkerConfig, make_worker: Callable[..., Worker]) -> None:
-    """Builds the real engine, kvstore client and index, runs `make_worker(cfg, engine, kvstore,
-    index)` until cancelled, then stops it and closes what it used."""
-    from kvmesh.engine.async_engine import AsyncEngine
-    from kvmesh.engine.engine import LLMEngine
+    """Builds the real engine (in a process of its own unless --no-engine-process), kvstore client
+    and index, runs `make_worker(cfg, engine, kvstore, index)` until cancelled, then stops it and
+    closes what it used."""
     from kvmesh.index import make_index
     from kvmesh.kvstore.client import GrpcKVStoreClient
 
-    engine = AsyncEngine(await asyncio.to_thread(LLMEngine, cfg.engine))
+    if cfg.engine_process:
+        from kvmesh.engine.engine_process import EngineProcess
+        engine = EngineProcess(cfg.engine)
+        await engine.start()  # the model loads in that process; its identity is known after this
+    else:
+        from kvmesh.engine.async_engine import AsyncEngine
+        from kvmesh.engine.engine import LLMEngine
+        engine = AsyncEngine(await asyncio.to_thread(LLMEngine, cfg.engine))
     kvstore = GrpcKVStoreClient(list(cfg.kvstore))
     index = make_index(cfg.redis_url)
     worker = make_worker(cfg, engine, kvstore, index)

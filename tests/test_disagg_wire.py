@@ -26,8 +26,9 @@ def test_worker_flags_build_engine_config():
     cfg = _parse(decode_config, ["--kvstore", "a:1,b:2", "--kvstore", "c:3", "--kv-cache-dtype", "fp8",
                                  "--block-size", "32", "--kv-cache-memory", "64M", "--no-enable-prefix-caching",
                                  "--index-url", "redis://localhost:6379", "--max-num-seqs", "7",
-                                 "--port", "0", "--metrics-port", "0"])
+                                 "--port", "0", "--metrics-port", "0", "--no-engine-process"])
     assert cfg.kvstore == ("a:1", "b:2", "c:3")
+    assert cfg.engine_process is False
     assert cfg.engine.cache.kv_cache_dtype == "fp8"
     assert cfg.engine.cache.block_size == 32
     assert cfg.engine.cache.kv_cache_memory == 64 << 20
@@ -38,6 +39,7 @@ def test_worker_flags_build_engine_config():
     pcfg = _parse(prefill_config, ["--kvstore", "k:9", "--host", "0.0.0.0", "--advertise-address", "pf:70"])
     assert pcfg.port == prefill_config.DEFAULT_PORT and pcfg.holder(1) == "pf:70"
     assert pcfg.engine.cache.enable_prefix_caching is True
+    assert pcfg.engine_process is True  # the default: each worker's engine in a process of its own
 
 
 def test_environment_defaults_and_command_line_override():

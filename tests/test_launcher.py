@@ -87,6 +87,8 @@ def test_kvmesh_up_serves_openai_client_and_sigint_stops_all(redis_flush):
         url = out.wait_for(r"kvmesh is up: (http://\S+)/v1", STARTUP_S + 30).group(1)
         children = _children(proc.pid)
         assert len(children) == 4, children  # kvstore, prefill, decode, gateway (Redis replaces the index)
+        grandchildren = [g for c in children for g in _children(c)]  # the workers' engine processes
+        assert len(grandchildren) >= 2, grandchildren
         with urllib.request.urlopen(url + "/health", timeout=10) as r:
             assert r.status == 200
 
@@ -115,7 +117,7 @@ def test_kvmesh_up_serves_openai_client_and_sigint_stops_all(redis_flush):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
         out.wait_for(r"kvmesh up: stopped \(", 5)
-        assert not [c for c in children if _alive(c)]
+        assert not [c for c in children + grandchildren if _alive(c)]
     finally:
         if proc.poll() is None:
             proc.kill()

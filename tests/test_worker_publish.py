@@ -78,3 +78,26 @@ async def test_a_failed_publish_is_sent_again_with_what_came_after(runtime):
     index.down = False
     await rt.publish_events()
     assert await index.lookup(sorted(held)) == [frozenset({rt.holder})] * 4
+
+
+async def test_concurrent_lookups_share_a_drain_begun_after_they_asked(runtime):
+    """A burst of requests asks for the local blocks at once: they share one engine round trip (each
+    waits for a step boundary) instead of queueing one apiece, and none gets a drain older than its call."""
+    rt = runtime
+    calls = []
+    real_call = rt.engine.call
+
+    async def counting_call(method, *args, **kwargs):
+        if method == "drain_kv_events":
+            calls.append(method)
+            await asyncio.sleep(0.05)  # a step in flight
+        return await real_call(method, *args, **kwargs)
+
+    rt.engine.call = counting_call
+    first = asyncio.ensure_future(rt.local_blocks())
+    await asyncio.sleep(0.01)  # its drain is running
+    await _generate(rt, "a", random_prompts(1, 40, 40, seed=6)[0])  # two blocks stored after it began
+    held = await asyncio.gather(*(rt.local_blocks() for _ in range(32)))
+    await first
+    assert len(calls) == 2  # the first caller's drain, then one for all 32 that came later
+    assert all(len(h) == 2 for h in held)  # the later drain saw the new blocks

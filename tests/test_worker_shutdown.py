@@ -1,8 +1,9 @@
 """Worker shutdown: cancelling serve() (what SIGTERM does through kvmesh.cli) runs the whole teardown:
-the holder leaves the prefix index, the engine thread ends, the index client closes."""
+the holder leaves the prefix index, the engine (its process, or its thread) ends, the index client closes."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import socket
 import threading
 
@@ -40,8 +41,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _engine_threads() -> int:
-    return sum(t.name == "kvmesh-engine" and t.is_alive() for t in threading.enumerate())
+def _engines() -> int:
+    """Engines running for this process: threads (--no-engine-process) and child processes."""
+    return (sum(t.name == "kvmesh-engine" and t.is_alive() for t in threading.enumerate())
+            + sum(p.name == "kvmesh-engine-core" for p in multiprocessing.active_children()))
 
 
 async def _until_serving(port: int, timeout: float = 60.0) -> None:
@@ -61,8 +64,8 @@ async def _until_serving(port: int, timeout: float = 60.0) -> None:
             await asyncio.sleep(0.1)
 
 
-@pytest.mark.parametrize("role", ["prefill", "decode"])
-async def test_cancelled_serve_drops_holder_and_stops_engine(model_dir, role):
+@pytest.mark.parametrize("role,engine_process", [("prefill", True), ("decode", True), ("decode", False)])
+async def test_cancelled_serve_drops_holder_and_stops_engine(model_dir, role, engine_process):
     index = MemoryIndex()  # behind a real `kvmesh index` HTTP app: serve() builds its own client
     runner = web.AppRunner(make_index_app(index), access_log=None)
     await runner.setup()
@@ -75,12 +78,12 @@ async def test_cancelled_serve_drops_holder_and_stops_engine(model_dir, role):
                       "decode": (DecodeConfig, decode_server.serve)}[role]
     cfg = cfg_cls(engine=EngineConfig(model=model_dir, device="cpu", cache=CacheConfig(kv_cache_memory=1 << 20)),
                   kvstore=("127.0.0.1:1",), port=port, redis_url=f"http://127.0.0.1:{index_port}",
-                  publish_interval=0.01)
-    before = _engine_threads()
+                  publish_interval=0.01, engine_process=engine_process)
+    before = _engines()
     task = asyncio.create_task(serve(cfg))
     try:
         await _until_serving(port)
-        assert _engine_threads() == before + 1
+        assert _engines() == before + 1
         async with grpc.aio.insecure_channel(holder) as ch:  # both roles answer the Load RPC
             stub = (pb_grpc.PrefillStub if role == "prefill" else pb_grpc.DecodeStub)(ch)
             load = await stub.Load(pb.LoadRequest(), timeout=5)
@@ -92,7 +95,7 @@ async def test_cancelled_serve_drops_holder_and_stops_engine(model_dir, role):
         with pytest.raises(asyncio.CancelledError):
             await task
         assert await index.lookup([h]) == [frozenset()]
-        assert _engine_threads() == before
+        assert _engines() == before
     finally:
         task.cancel()
         await runner.cleanup()

@@ -101,7 +101,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 if resuming:
                     if not request.HasField("prefilled"):
                         raise ValueError("prefilled: required unless do_prefill is set")
-                    _check_prefilled(request, self.transfer.layout, self.engine.engine.runner.dtype_name)
+                    _check_prefilled(request, self.transfer.layout, self.engine.info.dtype_name)
                     refs = convert.block_refs_from_proto(request.prefilled.blocks)
                 else:
                     refs = convert.block_refs_from_proto(request.cached_blocks)
@@ -115,7 +115,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 return
 
             pulled = await self.transfer.pull(self.engine, [r.hash for r in refs], request.cache_salt,
-                                              local=await self.runtime.local_blocks())
+                                              local=self.runtime.local_blocks)
             span.set_attribute("kvmesh.pulled_blocks", len(pulled.imported))
             span.set_attribute("kvmesh.missing_blocks", pulled.missing)
             resume = convert.resume_from_prefill(request.prefilled, params.logprobs is not None) if resuming else None

@@ -1,34 +1,33 @@
-"""AsyncEngine: LLMEngine stepped by one background thread, driven from an asyncio loop.
-
-Every engine call (add, abort, import) is a command executed on the engine thread between steps, so
-the engine itself stays single-threaded. Outputs go back to per-request collectors with
-`call_soon_threadsafe`, merged while their reader lags (`output_collector.py`). Closing or
-cancelling a request's iterator aborts it (its blocks are freed before the next step).
-"""
+"""AsyncEngine: LLMEngine stepped by one background thread of the caller's process, driven from an
+asyncio loop (`engine_client.py` has the request streams; `engine_process.py` runs the engine in a
+process of its own instead)."""
 from __future__ import annotations
 
 import asyncio
 import queue
 import threading
-from typing import AsyncIterator, Callable, Optional
+from typing import Callable, Optional
 
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.output_collector import OutputCollector
-from kvmesh.engine.outputs import ExportedBlock, OutputKind, RequestOutput, ResumeState
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.engine_client import EngineClient
+from kvmesh.engine.engine_info import EngineInfo
 
 _IDLE_WAIT_S = 0.05  # how long the idle thread sleeps between checks for commands
 
 
-class AsyncEngine:
+class AsyncEngine(EngineClient):
     def __init__(self, engine: LLMEngine) -> None:
+        super().__init__()
         self.engine = engine
+        self._info = EngineInfo.of(engine)
         self._cmds: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._queues: dict[str, OutputCollector] = {}
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
 
     async def start(self) -> None:
         if self._thread is not None:
@@ -45,9 +44,7 @@ class AsyncEngine:
         self._wake.set()
         await asyncio.to_thread(self._thread.join)
         self._thread = None
-        for q in self._queues.values():
-            q.put(RuntimeError("engine stopped"))
-        self._queues.clear()
+        self._fail_streams("engine stopped")
 
     # ---- engine thread ----
     def _run(self) -> None:
@@ -75,17 +72,7 @@ class AsyncEngine:
             self.engine.abort(rid)
         self._loop.call_soon_threadsafe(self._deliver_error, err)
 
-    def _deliver(self, outs: list[RequestOutput]) -> None:
-        for o in outs:
-            q = self._queues.get(o.request_id)
-            if q is not None:
-                q.put(o)
-
-    def _deliver_error(self, err: Exception) -> None:
-        for q in self._queues.values():
-            q.put(err)
-
-    async def _call(self, fn: Callable[[], object]) -> object:
+    async def _on_thread(self, fn: Callable[[], object]) -> object:
         """Runs fn on the engine thread and returns (or raises) its result."""
         if self._thread is None:
             raise RuntimeError("AsyncEngine.start() must be awaited first")
@@ -103,56 +90,20 @@ class AsyncEngine:
         self._wake.set()
         return await fut
 
-    # ---- public ----
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       cache_salt: str = "", export_kv: bool = False, hand_off: bool = False,
-                       resume: Optional[ResumeState] = None,
-                       output_kind: OutputKind = OutputKind.CUMULATIVE,
-                       pace: Optional[Callable[[], float]] = None) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as the engine steps. `pace`: seconds the next output waits after
-        one is yielded (what the steps add meanwhile merges into it; the last output never waits)."""
-        if request_id in self._queues:
-            raise ValueError(f"request_id {request_id!r} is already running")
-        q = OutputCollector(output_kind)
-        self._queues[request_id] = q
-        finished = added = False
-        try:
-            await self._call(lambda: self.engine.add_request(
-                request_id, prompt_token_ids, params, cache_salt=cache_salt, export_kv=export_kv,
-                hand_off=hand_off, resume=resume, output_kind=output_kind))
-            added = True
-            hold_until = 0.0
-            while not finished:
-                item = await q.get(hold_until)
-                if item is None:  # aborted through abort(): the stream just ends
-                    finished = True
-                    break
-                if isinstance(item, Exception):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if pace is not None:
-                    hold_until = self._loop.time() + pace()
-        finally:
-            self._queues.pop(request_id, None)
-            if added and not finished and self._thread is not None:
-                self._cmds.put(lambda: self.engine.abort(request_id))
-                self._wake.set()
+    # ---- EngineClient ----
+    async def call(self, method: str, *args, **kwargs) -> object:
+        fn = getattr(self.engine, method)
+        return await self._on_thread(lambda: fn(*args, **kwargs))
 
-    async def abort(self, request_id: str) -> None:
-        """Aborts a request (its blocks are freed at once); its stream ends without a final item."""
-        await self._call(lambda: self.engine.abort(request_id))
-        q = self._queues.get(request_id)
-        if q is not None:
-            q.put(None)
-
-    async def import_blocks(self, blocks: list[ExportedBlock], cache_salt: str = "") -> int:
-        return await self._call(lambda: self.engine.import_blocks(blocks, cache_salt))
+    def _post_abort(self, request_id: str) -> None:
+        if self._thread is not None:
+            self._cmds.put(lambda: self.engine.abort(request_id))
+            self._wake.set()
 
     async def run(self, fn: Callable[[LLMEngine], object]) -> object:
-        """Runs fn(engine) on the engine thread between steps (for stats, events, lookups)."""
-        return await self._call(lambda: fn(self.engine))
+        """Runs fn(engine) on the engine thread between steps (tests and benchmarks: it needs the
+        engine in this process)."""
+        return await self._on_thread(lambda: fn(self.engine))
 
 
 def _set(fut: asyncio.Future, res: object, err: Optional[BaseException]) -> None:
@@ -162,3 +113,4 @@ def _set(fut: asyncio.Future, res: object, err: Optional[BaseException]) -> None
         fut.set_exception(err)
     else:
         fut.set_result(res)
+

@@ -1,0 +1,231 @@
+"""EngineProcess: the engine in a process of its own (`engine_core.py`), driven from the worker's
+asyncio loop through the same `EngineClient` interface as the in-process `AsyncEngine`.
+
+Why: a worker's event loop spends ~150 µs of Python a streamed token on gRPC, and an engine thread
+beside it waited for that GIL a third of its time (docs/benchmarks.md, "Where the decode worker
+waits"); vLLM runs its engine core apart for the same reason. Here the loop only encodes commands and
+decodes one message a step.
+
+The process is spawned (never forked: CUDA), loads the model, and answers "ready" with its
+`EngineInfo` before `start()` returns. Two threads move the pipe's bytes so the loop never blocks on
+it: a writer (commands, in order) and a reader (hands each message to the loop). A finished request's
+KV export reaches the worker as a `RemoteExport` whose bytes arrive in a later message. If the
+process dies, every open stream and call fails with RuntimeError and `on_lost` is called.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import queue
+import threading
+from typing import Optional
+
+from kvmesh.config import EngineConfig
+from kvmesh.engine.engine_client import EngineClient
+from kvmesh.engine.engine_core import ExportPending, run_engine_core
+from kvmesh.engine.engine_info import EngineInfo
+from kvmesh.engine.outputs import ExportedBlock, KVExport, RequestOutput
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5  # how often start() checks that a loading process is still alive
+STOP_TIMEOUT_S = 30.0  # a stopping process finishes its step and its exports' copies first
+
+
+class RemoteExport(KVExport):
+    """A finished request's KV export whose bytes come from the engine process after its output."""
+
+    def __init__(self, pending: ExportPending) -> None:
+        super().__init__([], [], pending.tail_tokens, pending.tail_dtype, None)
+        self._arrived = threading.Event()
+        self._error = ""
+
+    def fill(self, blocks: Optional[list[ExportedBlock]], tail_or_error) -> None:
+        if blocks is None:
+            self._error = str(tail_or_error)
+        else:
+            self._blocks, self._tail = blocks, tail_or_error
+        self._arrived.set()
+
+    def ready(self) -> "RemoteExport":
+        """Waits for the bytes (call it from a worker thread, as for any KVExport)."""
+        self._arrived.wait()
+        if self._error:
+            raise RuntimeError(f"KV export failed in the engine process: {self._error}")
+        return self
+
+
+def _raise_as(err: tuple[bool, str]) -> Exception:
+    is_value, text = err
+    return ValueError(text) if is_value else RuntimeError(text)
+
+
+class EngineProcess(EngineClient):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__()
+        self.config = config
+        self._info: Optional[EngineInfo] = None
+        self._proc: Optional[multiprocessing.process.BaseProcess] = None
+        self._conn = None
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # for the writer thread; None: stop
+        self._threads: list[threading.Thread] = []
+        self._calls: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self._prompts: dict[str, list[int]] = {}  # outputs come without them
+        self._exports: dict[str, RemoteExport] = {}  # announced, bytes not yet here
+        self._lost = ""  # why the process is gone ("" while it serves)
+        self._stopping = False
+
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise RuntimeError("EngineProcess.start() must be awaited first")
+        return self._info
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self._proc.pid if self._proc is not None else None
+
+    # ---- lifecycle ----
+    async def start(self) -> None:
+        """Spawns the process and returns once its engine is loaded (RuntimeError if it cannot be)."""
+        if self._proc is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        ctx = multiprocessing.get_context("spawn")
+        mine, theirs = ctx.Pipe(duplex=True)
+        proc = ctx.Process(target=run_engine_core, args=(self.config, theirs), name="kvmesh-engine-core",
+                           daemon=True)
+        proc.start()
+        theirs.close()
+        self._proc, self._conn = proc, mine
+        kind, payload = await asyncio.to_thread(self._first_message)
+        if kind != "ready":
+            await asyncio.to_thread(self._reap)
+            self._proc = None
+            raise RuntimeError(f"the engine process could not start: {payload}")
+        self._info = payload
+        self._lost, self._stopping = "", False
+        self._threads = [threading.Thread(target=self._read, name="kvmesh-engine-reader", daemon=True),
+                         threading.Thread(target=self._write, name="kvmesh-engine-writer", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def _first_message(self) -> tuple:
+        while not self._conn.poll(POLL_S):
+            if not self._proc.is_alive():
+                return "failed", f"it exited with code {self._proc.exitcode}"
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            return "failed", f"it exited with code {self._proc.exitcode}"
+
+    async def stop(self) -> None:
+        if self._proc is None:
+            return
+        self._stopping = True
+        self._outbox.put(("stop",))
+        self._outbox.put(None)
+        await asyncio.to_thread(self._reap)
+        for t in self._threads:
+            await asyncio.to_thread(t.join, STOP_TIMEOUT_S)
+        self._proc = None
+        self._on_lost("engine stopped")
+
+    def _reap(self) -> None:
+        self._proc.join(STOP_TIMEOUT_S)
+        if self._proc.is_alive():
+            log.warning("the engine process did not stop within %.0f s; killing it", STOP_TIMEOUT_S)
+            self._proc.kill()
+            self._proc.join()
+        self._conn.close()
+
+    # ---- pipe threads ----
+    def _write(self) -> None:
+        while (msg := self._outbox.get()) is not None:
+            try:
+                self._conn.send(msg)
+            except (OSError, ValueError):  # the process is gone: the reader reports it
+                return
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            self._to_loop(self._on_message, msg)
+        code = self._proc.exitcode if self._proc is not None else None
+        self._to_loop(self._on_lost, f"the engine process exited (code {code})")
+
+    def _to_loop(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is left to tell
+            pass
+
+    # ---- on the loop ----
+    def _on_message(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "outputs":
+            self._deliver(self._restored(msg[1]))
+        elif kind == "result":
+            _, cid, ok, value = msg
+            fut = self._calls.pop(cid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(value) if ok else fut.set_exception(_raise_as(value))
+        elif kind == "export":
+            _, rid, blocks, tail = msg
+            export = self._exports.pop(rid, None)
+            if export is not None:
+                export.fill(blocks, tail)
+        elif kind == "step_failed":
+            self._deliver_error(_raise_as(msg[1]))
+
+    def _restored(self, outs: list[RequestOutput]) -> list[RequestOutput]:
+        for o in outs:
+            o.prompt_token_ids = self._prompts.get(o.request_id, [])
+            if isinstance(o.kv_export, ExportPending):
+                o.kv_export = self._exports[o.request_id] = RemoteExport(o.kv_export)
+        return outs
+
+    def _on_lost(self, why: str) -> None:
+        if self._lost:
+            return
+        self._lost = "engine stopped" if self._stopping else why
+        if not self._stopping:
+            log.error("%s; failing its %d streams", why, len(self._queues))
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(RuntimeError(self._lost))
+        self._calls.clear()
+        for export in self._exports.values():
+            export.fill(None, self._lost)
+        self._exports.clear()
+        self._fail_streams(self._lost)
+        if not self._stopping and self.on_lost is not None:
+            self.on_lost(why)
+
+    # ---- EngineClient ----
+    async def call(self, method: str, *args, **kwargs) -> object:
+        if self._lost:
+            raise RuntimeError(self._lost)
+        if self._info is None:
+            raise RuntimeError("EngineProcess.start() must be awaited first")
+        cid = next(self._ids)
+        fut = self._loop.create_future()
+        self._calls[cid] = fut
+        self._outbox.put(("call", cid, method, args, kwargs))
+        return await fut
+
+    def _post_abort(self, request_id: str) -> None:
+        if not self._lost and self._info is not None:
+            self._outbox.put(("abort", request_id))
+
+    def _added(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        self._prompts[request_id] = list(prompt_token_ids)
+
+    def _removed(self, request_id: str) -> None:
+        self._prompts.pop(request_id, None)

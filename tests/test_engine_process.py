@@ -1,0 +1,192 @@
+"""EngineProcess: the engine in a spawned process of its own, driven through the same interface as
+the in-process AsyncEngine. Real processes, a real pipe, the tests' tiny model on the CPU: streams
+equal the in-process engine's, errors cross as the right exceptions, a closed stream aborts its
+request, KV exports and imports carry the same bytes, and a process that dies fails what was open."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from kvmesh.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.engine_process import EngineProcess
+from kvmesh.engine.outputs import OutputKind, ResumeState
+from kvmesh.engine.sampling_params import SamplingParams
+from test_engine_models import make_tiny_model, random_prompts
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    make_tiny_model(d, "llama", seed=43)
+    return str(d)
+
+
+def config(model: str) -> EngineConfig:
+    return EngineConfig(model=model, device="cpu", cache=CacheConfig(kv_cache_memory=2 << 20),
+                        scheduler=SchedulerConfig(max_num_batched_tokens=32))
+
+
+async def started(model: str) -> EngineProcess:
+    ep = EngineProcess(config(model))
+    await ep.start()
+    return ep
+
+
+def reference(model: str, prompts, params) -> dict:
+    """The in-process engine's cumulative outputs, stepped to the end."""
+    eng = LLMEngine(config(model))
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"r{i}", p, sp)
+    ref = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            ref[o.request_id] = o
+    return ref
+
+
+async def test_streams_equal_the_in_process_engine(model_dir):
+    prompts = random_prompts(4, 5, 40, seed=1)
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, prompt_logprobs=1)]
+    ref = reference(model_dir, prompts, params)
+    ep = await started(model_dir)
+    try:
+        assert ep.info.layout.block_size == 16 and ep.info.dtype_name == "fp32"
+
+        async def run(i: int, kind: OutputKind) -> list:
+            return [o async for o in ep.generate(f"r{i}", prompts[i], params[i], output_kind=kind)]
+
+        kinds = [OutputKind.DELTA, OutputKind.CUMULATIVE, OutputKind.DELTA, OutputKind.FINAL_ONLY]
+        streams = await asyncio.gather(*(run(i, k) for i, k in enumerate(kinds)))
+    finally:
+        await ep.stop()
+    for i, (items, kind) in enumerate(zip(streams, kinds)):
+        want = ref[f"r{i}"]
+        assert items[-1].finished and all(o.prompt_token_ids == prompts[i] for o in items)
+        for c_want in want.outputs:
+            cs = [c for o in items for c in o.outputs if c.index == c_want.index]
+            if kind is OutputKind.DELTA:  # the deltas joined are the whole completion
+                tokens, text = [t for c in cs for t in c.token_ids], "".join(c.text for c in cs)
+                lps = [lp for c in cs for lp in (c.logprobs or [])]
+            else:
+                tokens, text, lps = cs[-1].token_ids, cs[-1].text, cs[-1].logprobs or []
+            assert tokens == c_want.token_ids and text == c_want.text
+            assert [(lp.token_id, lp.logprob, lp.top) for lp in lps] == \
+                [(lp.token_id, lp.logprob, lp.top) for lp in c_want.logprobs or []]
+        if params[i].prompt_logprobs is not None:
+            got = next(o.prompt_logprobs for o in items if o.prompt_logprobs is not None)
+            assert [(lp.token_id, lp.logprob) if lp else None for lp in got] == \
+                [(lp.token_id, lp.logprob) if lp else None for lp in want.prompt_logprobs]
+    assert len(streams[3]) == 1  # FINAL_ONLY: one output
+
+
+async def test_errors_cross_as_their_kind_and_a_closed_stream_aborts(model_dir):
+    ep = await started(model_dir)
+    try:
+        with pytest.raises(ValueError, match="prompt_token_ids must not be empty"):
+            [o async for o in ep.generate("bad", [], SamplingParams())]
+        with pytest.raises(ValueError, match="no call 'runner'"):
+            await ep.call("runner")
+        gen = ep.generate("long", random_prompts(1, 30, 30, seed=2)[0],
+                          SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+        first = await gen.__anext__()
+        assert not first.finished
+        assert (await ep.call("stats")).kv_cache_usage > 0
+        await gen.aclose()  # the client went away
+        for _ in range(200):
+            st = await ep.call("stats")
+            if st.kv_cache_usage == 0.0 and st.num_running == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert st.kv_cache_usage == 0.0 and st.num_running == 0
+        assert not await ep.call("has_unfinished")
+        # abort(): the stream ends without a final output
+        gen = ep.generate("a", random_prompts(1, 20, 20, seed=4)[0],
+                          SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+        got = [await gen.__anext__()]
+        await ep.abort("a")
+        got += [o async for o in gen]
+        assert not any(o.finished for o in got)
+    finally:
+        await ep.stop()
+    with pytest.raises(RuntimeError, match="engine stopped"):
+        await ep.call("stats")
+
+
+async def test_kv_export_import_and_resume_across_processes(model_dir):
+    prompt = random_prompts(1, 37, 37, seed=3)[0]
+    local = LLMEngine(config(model_dir))
+    local.add_request("q", prompt, SamplingParams(temperature=0.0, max_tokens=1), export_kv=True)
+    while local.has_unfinished():
+        outs = local.step()
+    want = outs[-1].kv_export
+    a, b = await started(model_dir), await started(model_dir)
+    try:
+        pre = [o async for o in a.generate("q", prompt, SamplingParams(temperature=0.0, max_tokens=1),
+                                           export_kv=True)][-1]
+        exp = pre.kv_export
+        await asyncio.to_thread(exp.ready)
+        assert [(x.hash, x.token_ids, x.data) for x in exp.blocks] == \
+            [(x.hash, x.token_ids, x.data) for x in want.blocks]
+        assert (exp.tail_tokens, exp.tail_dtype, exp.tail) == (want.tail_tokens, want.tail_dtype, want.tail)
+        assert await b.import_blocks(exp.blocks) == 2
+        assert [h for kind, h in await b.call("drain_kv_events") if kind == "stored"] == [x.hash for x in exp.blocks]
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        out = [o async for o in b.generate("x", prompt, params, resume=ResumeState(
+            pre.outputs[0].token_ids, exp.tail_tokens, exp.tail))][-1]
+        ref = [o async for o in a.generate("ref", prompt, params)][-1]
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert out.num_cached_tokens == len(prompt)  # both pages from the import, the tail from the resume
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_dead_engine_process_fails_its_streams_and_calls(model_dir):
+    ep = await started(model_dir)
+    lost = []
+    ep.on_lost = lost.append
+    try:
+        gen = ep.generate("long", random_prompts(1, 30, 30, seed=5)[0],
+                          SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+        await gen.__anext__()
+        os.kill(ep.pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match=r"engine process exited \(code"):
+            async for _ in gen:
+                pass
+        assert lost and "exited" in lost[0]
+        with pytest.raises(RuntimeError, match="exited"):
+            await ep.call("stats")
+    finally:
+        await ep.stop()
+
+
+async def test_an_engine_that_cannot_load_fails_start_with_its_reason(tmp_path):
+    ep = EngineProcess(config(str(tmp_path / "no-such-model")))
+    with pytest.raises(RuntimeError, match="could not start: .*no-such-model"):
+        await ep.start()
+
+
+async def test_a_worker_whose_engine_process_dies_stops_serving(model_dir):
+    """The decode worker's runtime hears of its engine's death, turns NOT_SERVING and stops, so
+    whoever runs it sees the worker exit instead of a live port that fails every request."""
+    from kvmesh.decode.config import DecodeConfig
+    from kvmesh.decode.server import DecodeWorker
+    from kvmesh.index import MemoryIndex
+
+    ep = await started(model_dir)
+    worker = DecodeWorker(DecodeConfig(engine=config(model_dir), kvstore=("127.0.0.1:1",), port=0), ep, None,
+                          MemoryIndex())
+    await worker.start()
+    try:
+        assert worker.transfer.layout == ep.info.layout
+        os.kill(ep.pid, signal.SIGKILL)
+        await asyncio.wait_for(worker.runtime.wait(), 30)
+    finally:
+        await worker.stop()
