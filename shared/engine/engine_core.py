@@ -7,10 +7,13 @@ pipe: a reader (commands into a queue), a sender (pickles and writes every messa
 (waits for a finished request's KV pages to land in host memory, then sends their bytes after the
 output that announced them).
 
-Messages, worker -> core: ("call", id, method, args, kwargs), ("abort", request_id), ("stop",).
+Messages, worker -> core: ("call", id, method, args, kwargs), ("import", id, hashes, token ids,
+cache salt) and right after it each page raw (an `import_blocks` call), ("abort", request_id), ("stop",).
 Core -> worker: ("ready", EngineInfo) | ("failed", why) first; then ("result", id, ok, value),
 ("outputs", [RequestOutput]) (prompt ids left out: the worker has them; a KV export as
-`ExportPending`), ("export", request_id, blocks, tail), ("step_failed", error).
+`ExportPending`), ("export", request_id, hashes, token ids, tail) and right after it the pages'
+bytes back to back as one raw message (written from the pinned copy: no pickling, no bytes object
+a page), or ("export_failed", request_id, why), and ("step_failed", error).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from multiprocessing.connection import Connection
 from kvmesh.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.engine_info import EngineInfo
+from kvmesh.engine.outputs import ExportedBlock
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +142,10 @@ class EngineCore:
         while True:
             try:
                 msg = self.conn.recv()
+                if msg[0] == "import":  # the pages follow, raw: a call of import_blocks
+                    _, cid, hashes, token_ids, salt = msg
+                    blocks = [ExportedBlock(h, t, self.conn.recv_bytes()) for h, t in zip(hashes, token_ids)]
+                    msg = ("call", cid, "import_blocks", (blocks, salt), {})
             except (EOFError, OSError):
                 self.inbox.put(None)
                 return
@@ -146,7 +154,11 @@ class EngineCore:
     def _send(self) -> None:
         while (msg := self.outbox.get()) is not None:
             try:
-                self.conn.send(msg)
+                if msg[0] == "export":  # the header, then the pages raw
+                    self.conn.send(msg[:-1])
+                    self.conn.send_bytes(msg[-1])
+                else:
+                    self.conn.send(msg)
             except (OSError, ValueError):  # the worker is gone; the reader ends the loop
                 return
 
@@ -154,7 +166,8 @@ class EngineCore:
         while (item := self.exports.get()) is not None:
             rid, export = item
             try:
-                export.ready()  # waits for the stream-ordered copy to host memory
-                self.outbox.put(("export", rid, export.blocks, export.tail))
+                hashes, token_ids, pages, tail = export.pages()  # waits for the copy to host memory
             except Exception as e:  # noqa: BLE001 - the worker's reader of it raises
-                self.outbox.put(("export", rid, None, error_of(e)[1]))
+                self.outbox.put(("export_failed", rid, error_of(e)[1]))
+            else:
+                self.outbox.put(("export", rid, hashes, token_ids, tail, pages))

@@ -42,11 +42,12 @@ class RemoteExport(KVExport):
         self._arrived = threading.Event()
         self._error = ""
 
-    def fill(self, blocks: Optional[list[ExportedBlock]], tail_or_error) -> None:
-        if blocks is None:
-            self._error = str(tail_or_error)
-        else:
-            self._blocks, self._tail = blocks, tail_or_error
+    def fill(self, blocks: list[ExportedBlock], tail: bytes) -> None:
+        self._blocks, self._tail = blocks, tail
+        self._arrived.set()
+
+    def fail(self, why: str) -> None:
+        self._error = why
         self._arrived.set()
 
     def ready(self) -> "RemoteExport":
@@ -146,7 +147,12 @@ class EngineProcess(EngineClient):
     def _write(self) -> None:
         while (msg := self._outbox.get()) is not None:
             try:
-                self._conn.send(msg)
+                if msg[0] == "import":  # the header, then each page raw
+                    self._conn.send(msg[:-1])
+                    for data in msg[-1]:
+                        self._conn.send_bytes(data)
+                else:
+                    self._conn.send(msg)
             except (OSError, ValueError):  # the process is gone: the reader reports it
                 return
 
@@ -154,11 +160,23 @@ class EngineProcess(EngineClient):
         while True:
             try:
                 msg = self._conn.recv()
+                if msg[0] == "export":  # the pages follow, raw
+                    msg = self._export_of(msg, self._conn.recv_bytes())
             except (EOFError, OSError):
                 break
             self._to_loop(self._on_message, msg)
         code = self._proc.exitcode if self._proc is not None else None
         self._to_loop(self._on_lost, f"the engine process exited (code {code})")
+
+    @staticmethod
+    def _export_of(header: tuple, pages: bytes) -> tuple:
+        """("export", request id, [ExportedBlock], tail) from the header and the pages' bytes (cut on
+        this reader thread, off the loop)."""
+        _, rid, hashes, token_ids, tail = header
+        size = len(pages) // max(1, len(hashes))
+        blocks = [ExportedBlock(h, t, pages[i * size:(i + 1) * size])
+                  for i, (h, t) in enumerate(zip(hashes, token_ids))]
+        return "export", rid, blocks, tail
 
     def _to_loop(self, fn, *args) -> None:
         try:
@@ -181,6 +199,10 @@ class EngineProcess(EngineClient):
             export = self._exports.pop(rid, None)
             if export is not None:
                 export.fill(blocks, tail)
+        elif kind == "export_failed":
+            export = self._exports.pop(msg[1], None)
+            if export is not None:
+                export.fail(msg[2])
         elif kind == "step_failed":
             self._deliver_error(_raise_as(msg[1]))
 
@@ -202,7 +224,7 @@ class EngineProcess(EngineClient):
                 fut.set_exception(RuntimeError(self._lost))
         self._calls.clear()
         for export in self._exports.values():
-            export.fill(None, self._lost)
+            export.fail(self._lost)
         self._exports.clear()
         self._fail_streams(self._lost)
         if not self._stopping and self.on_lost is not None:
@@ -218,6 +240,17 @@ class EngineProcess(EngineClient):
         fut = self._loop.create_future()
         self._calls[cid] = fut
         self._outbox.put(("call", cid, method, args, kwargs))
+        return await fut
+
+    async def import_blocks(self, blocks: list[ExportedBlock], cache_salt: str = "") -> int:
+        """As `EngineClient.import_blocks`; the pages cross the pipe raw, not pickled."""
+        if self._lost:
+            raise RuntimeError(self._lost)
+        cid = next(self._ids)
+        fut = self._loop.create_future()
+        self._calls[cid] = fut
+        self._outbox.put(("import", cid, [b.hash for b in blocks], [b.token_ids for b in blocks], cache_salt,
+                          [b.data for b in blocks]))
         return await fut
 
     def _post_abort(self, request_id: str) -> None:

@@ -84,6 +84,14 @@ class KVExport:
             self._copy = None
         return self
 
+    def pages(self) -> tuple[list[bytes], list[list[int]], memoryview, bytes]:
+        """(hashes, token ids, every page's bytes back to back, the tail) without a bytes object a
+        page: for a writer that sends the pages on whole (the engine process). Waits for the copy."""
+        if self._copy is not None:
+            return self._hashes, self._token_ids, self._copy.buffer(0), self._copy.whole(1)
+        self.ready()
+        return self._hashes, self._token_ids, memoryview(b"".join(b.data for b in self._blocks)), self._tail
+
     @property
     def blocks(self) -> list[ExportedBlock]:
         """Every full block of the sequence (prompt + computed output tokens), in order."""

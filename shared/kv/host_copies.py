@@ -59,6 +59,10 @@ class HostCopy:
         """Tensor `i` as one bytes object."""
         return self.wait()._host[i].view(torch.uint8).numpy().tobytes()
 
+    def buffer(self, i: int) -> memoryview:
+        """Tensor `i`'s bytes in place (valid while this copy lives): for a writer that copies them on."""
+        return memoryview(self.wait()._host[i].view(torch.uint8).numpy()).cast("B")
+
 
 def bytes_to_device(chunks: Sequence[bytes | memoryview], dtype: torch.dtype, shape: tuple[int, ...],
                     device: torch.device) -> torch.Tensor:
