@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 
+import numpy as np
 import pytest
 
 from kvmesh.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -136,9 +137,13 @@ async def test_kv_export_import_and_resume_across_processes(model_dir):
                                            export_kv=True)][-1]
         exp = pre.kv_export
         await asyncio.to_thread(exp.ready)
-        assert [(x.hash, x.token_ids, x.data) for x in exp.blocks] == \
-            [(x.hash, x.token_ids, x.data) for x in want.blocks]
-        assert (exp.tail_tokens, exp.tail_dtype, exp.tail) == (want.tail_tokens, want.tail_dtype, want.tail)
+        assert [(x.hash, x.token_ids, len(x.data)) for x in exp.blocks] == \
+            [(x.hash, x.token_ids, len(x.data)) for x in want.blocks]
+        assert (exp.tail_tokens, exp.tail_dtype) == (want.tail_tokens, want.tail_dtype)
+        # the same values (fp32 KV; the test process may run torch on fewer threads, so float sums differ)
+        for got, ref in [(x.data, y.data) for x, y in zip(exp.blocks, want.blocks)] + [(exp.tail, want.tail)]:
+            np.testing.assert_allclose(np.frombuffer(got, np.float32), np.frombuffer(ref, np.float32), rtol=1e-5,
+                                       atol=1e-6)
         with pytest.raises(ValueError, match="this engine's page is"):  # checked in the engine process
             await b.import_blocks([ExportedBlock(exp.blocks[0].hash, exp.blocks[0].token_ids, b"short")])
         assert await b.import_blocks(exp.blocks) == 2
