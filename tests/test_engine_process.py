@@ -201,3 +201,14 @@ async def test_a_worker_whose_engine_process_dies_stops_serving(model_dir):
         await asyncio.wait_for(worker.runtime.wait(), 30)
     finally:
         await worker.stop()
+
+
+def test_the_worker_side_imports_no_torch():
+    """A worker whose engine runs apart keeps only the gRPC side in its process: no torch there
+    (68 MiB resident against ~480 with the engine on a thread, tiny model on the CPU)."""
+    import subprocess
+    import sys
+    code = ("import sys, kvmesh.cli, kvmesh.decode.server, kvmesh.prefill.server, kvmesh.engine.engine_process; "
+            "print(sorted(m for m in ('torch', 'numpy', 'triton') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert "torch" not in out.stdout and "triton" not in out.stdout, out.stdout

@@ -23,11 +23,14 @@ import signal
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from kvmesh.config import EngineConfig
-from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.engine_info import EngineInfo
 from kvmesh.engine.outputs import ExportedBlock
+
+if TYPE_CHECKING:
+    from kvmesh.engine.engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,7 @@ def run_engine_core(config: EngineConfig, conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the worker, which stops this process
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        from kvmesh.engine.engine import LLMEngine  # here, not at import: the worker's side needs no torch
         engine = LLMEngine(config)
     except BaseException as e:  # noqa: BLE001 - reported to the worker, which raises it
         conn.send(("failed", f"{type(e).__name__}: {e}"))

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from kvmesh.kv.host_copies import HostCopy
+if TYPE_CHECKING:  # no torch where outputs only travel (a worker whose engine runs in its own process)
+    from kvmesh.kv.host_copies import HostCopy
 
 
 class OutputKind(enum.Enum):
