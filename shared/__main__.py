@@ -3,4 +3,5 @@ import sys
 
 from kvmesh.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a spawned child (a worker's engine process) imports it
+    sys.exit(main())
