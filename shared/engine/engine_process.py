@@ -232,6 +232,15 @@ class EngineProcess(EngineClient):
 
     # ---- EngineClient ----
     async def call(self, method: str, *args, **kwargs) -> object:
+        return await self._ask("call", method, args, kwargs)
+
+    async def import_blocks(self, blocks: list[ExportedBlock], cache_salt: str = "") -> int:
+        """As `EngineClient.import_blocks`; the pages cross the pipe raw, not pickled."""
+        return await self._ask("import", [b.hash for b in blocks], [b.token_ids for b in blocks], cache_salt,
+                               [b.data for b in blocks])
+
+    async def _ask(self, kind: str, *parts) -> object:
+        """Sends (kind, id, *parts) and waits for the engine's result of it."""
         if self._lost:
             raise RuntimeError(self._lost)
         if self._info is None:
@@ -239,18 +248,7 @@ class EngineProcess(EngineClient):
         cid = next(self._ids)
         fut = self._loop.create_future()
         self._calls[cid] = fut
-        self._outbox.put(("call", cid, method, args, kwargs))
-        return await fut
-
-    async def import_blocks(self, blocks: list[ExportedBlock], cache_salt: str = "") -> int:
-        """As `EngineClient.import_blocks`; the pages cross the pipe raw, not pickled."""
-        if self._lost:
-            raise RuntimeError(self._lost)
-        cid = next(self._ids)
-        fut = self._loop.create_future()
-        self._calls[cid] = fut
-        self._outbox.put(("import", cid, [b.hash for b in blocks], [b.token_ids for b in blocks], cache_salt,
-                          [b.data for b in blocks]))
+        self._outbox.put((kind, cid, *parts))
         return await fut
 
     def _post_abort(self, request_id: str) -> None:
