@@ -3,7 +3,7 @@
     python3 benchmarks/serving.py [--topologies engine,colocated,disaggregated] [--kv-cache-dtype int4]
         [--requests 256] [--prompt-len 1024] [--new-tokens 128] [--spread 0.75] [--concurrency 0]
         [--kv-memory-mib 512] [--max-num-seqs 256] [--reps 2] [--device cuda] [--out table.md]
-        [--max-chunk-rates 5000] [--engine-process on,off]
+        [--max-chunk-rates 5000] [--engine-process on,off] [--trees base=/path/to/dir,new=]
 
 What a user of the API gets next to what the engine could give on the same machine, the same load:
 - "engine": `LLM`'s engine in this process, every request added at once and stepped to the end
@@ -14,7 +14,9 @@ What a user of the API gets next to what the engine could give on the same machi
 - "disaggregated": `kvmesh up` as shipped (one prefill worker hands each prompt's KV to the decode
   worker through the kvstore).
 Each served topology runs a stack per --max-chunk-rates value and per --engine-process value (on: the
-workers' engines in processes of their own, the default; off: in a thread of the worker's process).
+workers' engines in processes of their own, the default; off: in a thread of the worker's process)
+and per --trees entry (name=DIR: the stack's services import `kvmesh` from DIR, put first on their
+PYTHONPATH; an empty DIR: this process's `kvmesh`), so two versions of the code run side by side.
 Every setup gets the same pool bytes, flags and requests: prompts of random token ids and greedy
 budgets drawn within ±spread of their means, EOS ignored, so every request generates its budget
 (checked from each stream's usage). A round draws fresh prompts (seeded by the round) that every
@@ -183,6 +185,21 @@ async def _model_id(url: str) -> str:
             return (await resp.json())["data"][0]["id"]
 
 
+def _start_from(src: str, cfg: StackConfig) -> Stack:
+    """A stack whose services import `kvmesh` from src first (this process's environment otherwise)."""
+    if not src:
+        return Stack(cfg).start()
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([os.path.abspath(src)] + ([before] if before else []))
+    try:  # the services inherit the environment as they start
+        return Stack(cfg).start()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--topologies", default="engine,colocated,disaggregated")
@@ -197,6 +214,8 @@ def main() -> None:
                     help="the decode worker's --max-chunk-rate, a row (and a stack) for each")
     ap.add_argument("--engine-process", default="on",
                     help="on, off or on,off: the workers' engines in processes of their own, a stack for each")
+    ap.add_argument("--trees", default="",
+                    help="name=DIR,...: a stack per source tree (DIR holds the kvmesh package; empty: this one's)")
     ap.add_argument("--kv-memory-mib", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--reps", type=int, default=2)
@@ -226,7 +245,9 @@ def main() -> None:
                 engine_row(eng, warm, a.device, "warm")
                 setups[name] = lambda ld, r, eng=eng: engine_row(eng, ld, a.device, f"r{r}")
                 continue
-            for rate, proc in ((r, p) for r in a.max_chunk_rates.split(",") for p in a.engine_process.split(",")):
+            trees = [t.split("=", 1) for t in a.trees.split(",")] if a.trees else [("", "")]
+            for rate, proc, (tree, src) in ((r, p, t) for r in a.max_chunk_rates.split(",")
+                                            for p in a.engine_process.split(",") for t in trees):
                 metrics_port = free_port()
                 where = "--engine-process" if proc == "on" else "--no-engine-process"
                 cfg = StackConfig(model=model, kv_cache_dtype=a.kv_cache_dtype, port=0,
@@ -234,7 +255,7 @@ def main() -> None:
                                   log_level="warning", extra_args=(("decode", (
                                       "--max-chunk-rate", rate, "--metrics-port", str(metrics_port), where)),
                                       ("prefill", (where,))))
-                stack = Stack(cfg).start()
+                stack = _start_from(src, cfg)
                 stacks.append(stack)
                 mid = asyncio.run(_model_id(stack.url))
                 clients.burst(stack.url, mid, warm, 0)
@@ -246,7 +267,7 @@ def main() -> None:
                                 ttft_means=(sum(row["ttft"]) / len(row["ttft"]) * 1e3,
                                             mean_ttft_ms(gw0, ttft_totals(url + "/metrics")),
                                             mean_ttft_ms(wk0, ttft_totals(metrics))))
-                setups[f"{name}, chunk rate {rate}, engine process {proc}"] = run
+                setups[f"{name}, chunk rate {rate}, engine process {proc}" + (f", {tree}" if tree else "")] = run
         best: dict[str, dict] = {}
         for r, ld in enumerate(loads):
             for name, run in setups.items():

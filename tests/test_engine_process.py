@@ -212,3 +212,31 @@ def test_the_worker_side_imports_no_torch():
             "print(sorted(m for m in ('torch', 'numpy', 'triton') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert "torch" not in out.stdout and "triton" not in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("export_first", [True, False])
+def test_an_export_settles_whichever_of_it_and_its_output_comes_first(export_first):
+    """Exports come on a pipe of their own: the pages may reach the worker before the output that
+    announces them, or after; either way the output's export holds them (or the failure)."""
+    from kvmesh.engine.engine_core import ExportPending
+    from kvmesh.engine.outputs import CompletionOutput, RequestOutput
+
+    ep = EngineProcess(config("unused"))
+    ep._added("r", [1, 2, 3])
+    blocks = [ExportedBlock(b"h" * 32, list(range(16)), b"page")]
+    output = RequestOutput("r", [], [CompletionOutput(0, "x", [7], None, "length")], True, 0, None,
+                           kv_export=ExportPending(3, "fp16"))
+    delivered = []
+    ep._deliver = delivered.extend
+    messages = [("export", "r", blocks, b"tail"), ("outputs", [output])]
+    for msg in messages if export_first else messages[::-1]:
+        ep._on_message(msg)
+    (out,) = delivered
+    assert out.prompt_token_ids == [1, 2, 3] and out.kv_export.tail_tokens == 3
+    assert out.kv_export.ready().blocks == blocks and out.kv_export.tail == b"tail"
+    assert not ep._exports and not ep._early
+    failing = RequestOutput("f", [], [], True, 0, None, kv_export=ExportPending(0, "fp16"))
+    ep._on_message(("export_failed", "f", "copy failed"))
+    ep._on_message(("outputs", [failing]))
+    with pytest.raises(RuntimeError, match="copy failed"):
+        delivered[-1].kv_export.ready()

@@ -1,19 +1,22 @@
 """EngineCore: the engine in a process of its own (`EngineProcess` spawns it), so that its steps
 never wait for the GIL of the worker's event loop, which speaks gRPC to every stream.
 
-One duplex pipe to the worker. The main thread runs the engine: commands between steps, one step
-at a time, and each step's outputs as one message. Three helper threads keep it from waiting on the
-pipe: a reader (commands into a queue), a sender (pickles and writes every message) and an exporter
-(waits for a finished request's KV pages to land in host memory, then sends their bytes after the
-output that announced them).
+Two pipes to the worker. On the first, the main thread does everything, between steps: it reads the
+commands waiting (`poll(0)`), runs them, steps once and sends the step's outputs as one message. No
+helper thread takes part, because a thread that wakes for every message waits for the GIL each time
+(up to the 5 ms switch interval while the step loop runs Python): a helper reader made a 64-page
+import wait ~1 s behind a busy engine. On the second pipe an exporter thread waits for each finished
+request's KV pages to land in host memory and sends them raw, so the step loop never writes
+megabytes.
 
-Messages, worker -> core: ("call", id, method, args, kwargs), ("import", id, hashes, token ids,
-cache salt) and right after it each page raw (an `import_blocks` call), ("abort", request_id), ("stop",).
-Core -> worker: ("ready", EngineInfo) | ("failed", why) first; then ("result", id, ok, value),
-("outputs", [RequestOutput]) (prompt ids left out: the worker has them; a KV export as
-`ExportPending`), ("export", request_id, hashes, token ids, tail) and right after it the pages'
-bytes back to back as one raw message (written from the pinned copy: no pickling, no bytes object
-a page), or ("export_failed", request_id, why), and ("step_failed", error).
+Pipe 1, worker -> core: ("call", id, method, args, kwargs); ("import", id, hashes, token ids, cache
+salt) and right after it every page back to back as one raw message (an `import_blocks` call);
+("abort", request_id); ("stop",). Core -> worker: ("ready", EngineInfo) | ("failed", why) first;
+then ("result", id, ok, value), ("outputs", [RequestOutput]) (prompt ids left out: the worker has
+them; a KV export as `ExportPending`), ("step_failed", error).
+Pipe 2, core -> worker: ("export", request_id, hashes, token ids, tail) and right after it the pages
+back to back as one raw message (written from the pinned copy: no pickling, no bytes object a page),
+or ("export_failed", request_id, why). An export may arrive before or after the output announcing it.
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ CALLS = frozenset({"add_request", "abort", "import_blocks", "drain_kv_events", "
 
 @dataclass(frozen=True)
 class ExportPending:
-    """Stands for a finished request's KVExport in its output; the bytes follow as an "export" message."""
+    """Stands for a finished request's KVExport in its output; the bytes come on the export pipe."""
 
     tail_tokens: int
     tail_dtype: str
@@ -53,7 +56,15 @@ def error_of(exc: BaseException) -> tuple[bool, str]:
     return isinstance(exc, ValueError), text
 
 
-def run_engine_core(config: EngineConfig, conn: Connection) -> None:
+def pages_of(hashes: list[bytes], token_ids: list[list[int]], pages: bytes, own: bool = False) -> list[ExportedBlock]:
+    """Blocks over one buffer of pages back to back: views into it, or (own) a bytes object each
+    (what leaves for the kvstore's protobuf, which takes bytes only)."""
+    size = len(pages) // max(1, len(hashes))
+    src = pages if own else memoryview(pages)  # slicing bytes copies, slicing a view does not
+    return [ExportedBlock(h, t, src[i * size:(i + 1) * size]) for i, (h, t) in enumerate(zip(hashes, token_ids))]
+
+
+def run_engine_core(config: EngineConfig, conn: Connection, export_conn: Connection) -> None:
     """The engine process's entry point: builds the engine, says so, serves until told to stop or
     the worker's end of the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the worker, which stops this process
@@ -65,60 +76,65 @@ def run_engine_core(config: EngineConfig, conn: Connection) -> None:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", EngineInfo.of(engine)))
-    EngineCore(engine, conn).run()
+    EngineCore(engine, conn, export_conn).run()
 
 
 class EngineCore:
-    def __init__(self, engine: LLMEngine, conn: Connection) -> None:
+    def __init__(self, engine: LLMEngine, conn: Connection, export_conn: Connection) -> None:
         self.engine = engine
         self.conn = conn
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # commands; None: the worker is gone
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # messages to send; None: stop sending
+        self.export_conn = export_conn
         self.exports: queue.SimpleQueue = queue.SimpleQueue()  # (request id, KVExport); None: stop
+        self.gone = False  # the worker's end closed
 
     def run(self) -> None:
-        helpers = [threading.Thread(target=f, name=f"kvmesh-core-{f.__name__.strip('_')}", daemon=True)
-                   for f in (self._read, self._send, self._export)]
-        for t in helpers:
-            t.start()
+        exporter = threading.Thread(target=self._export, name="kvmesh-core-exporter", daemon=True)
+        exporter.start()
         try:
             self._serve()
         finally:
             self.exports.put(None)
-            helpers[2].join()
-            self.outbox.put(None)
-            helpers[1].join()
+            exporter.join()
             self.conn.close()
+            self.export_conn.close()
 
-    # ---- main thread ----
     def _serve(self) -> None:
-        while True:
-            block = not self.engine.has_unfinished()  # idle: sleep until a command comes
-            while True:
+        while not self.gone:
+            if not self.engine.has_unfinished():
+                self.conn.poll(None)  # idle: sleep until a command comes (or the pipe closes)
+            while self.conn.poll(0):
                 try:
-                    msg = self.inbox.get(block=block)
-                except queue.Empty:
-                    break
-                block = False
-                if msg is None or msg[0] == "stop":
+                    msg = self.conn.recv()
+                except (EOFError, OSError):
+                    return
+                if msg[0] == "stop":
                     return
                 self._handle(msg)
             if self.engine.has_unfinished():
                 self._step()
 
+    def _send(self, msg: tuple) -> None:
+        try:
+            self.conn.send(msg)
+        except (OSError, ValueError):  # the worker is gone
+            self.gone = True
+
     def _handle(self, msg: tuple) -> None:
         if msg[0] == "abort":
             self.engine.abort(msg[1])
             return
+        if msg[0] == "import":  # the pages follow, raw
+            _, cid, hashes, token_ids, salt = msg
+            msg = ("call", cid, "import_blocks", (pages_of(hashes, token_ids, self.conn.recv_bytes()), salt), {})
         _, cid, method, args, kwargs = msg
         try:
             if method not in CALLS:
                 raise ValueError(f"the engine process has no call {method!r}")
             res = getattr(self.engine, method)(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - the caller's error, raised in the worker
-            self.outbox.put(("result", cid, False, error_of(e)))
+            self._send(("result", cid, False, error_of(e)))
         else:
-            self.outbox.put(("result", cid, True, res))
+            self._send(("result", cid, True, res))
 
     def _step(self) -> None:
         try:
@@ -127,51 +143,28 @@ class EngineCore:
             log.exception("engine step failed")
             for rid in self.engine.request_ids():
                 self.engine.abort(rid)
-            self.outbox.put(("step_failed", error_of(e)))
+            self._send(("step_failed", error_of(e)))
             return
         if not outs:
             return
-        exports = []
         for o in outs:
             o.prompt_token_ids = []  # the worker has them; sent every step they would cost the most
             if o.kv_export is not None:
-                exports.append((o.request_id, o.kv_export))
+                self.exports.put((o.request_id, o.kv_export))
                 o.kv_export = ExportPending(o.kv_export.tail_tokens, o.kv_export.tail_dtype)
-        self.outbox.put(("outputs", outs))
-        for e in exports:  # after the output that announces them
-            self.exports.put(e)
+        self._send(("outputs", outs))
 
-    # ---- helper threads ----
-    def _read(self) -> None:
-        while True:
-            try:
-                msg = self.conn.recv()
-                if msg[0] == "import":  # the pages follow, raw: a call of import_blocks
-                    _, cid, hashes, token_ids, salt = msg
-                    blocks = [ExportedBlock(h, t, self.conn.recv_bytes()) for h, t in zip(hashes, token_ids)]
-                    msg = ("call", cid, "import_blocks", (blocks, salt), {})
-            except (EOFError, OSError):
-                self.inbox.put(None)
-                return
-            self.inbox.put(msg)
-
-    def _send(self) -> None:
-        while (msg := self.outbox.get()) is not None:
-            try:
-                if msg[0] == "export":  # the header, then the pages raw
-                    self.conn.send(msg[:-1])
-                    self.conn.send_bytes(msg[-1])
-                else:
-                    self.conn.send(msg)
-            except (OSError, ValueError):  # the worker is gone; the reader ends the loop
-                return
-
+    # ---- the exporter thread ----
     def _export(self) -> None:
         while (item := self.exports.get()) is not None:
             rid, export = item
             try:
-                hashes, token_ids, pages, tail = export.pages()  # waits for the copy to host memory
-            except Exception as e:  # noqa: BLE001 - the worker's reader of it raises
-                self.outbox.put(("export_failed", rid, error_of(e)[1]))
-            else:
-                self.outbox.put(("export", rid, hashes, token_ids, tail, pages))
+                try:
+                    hashes, token_ids, pages, tail = export.pages()  # waits for the copy to host memory
+                except Exception as e:  # noqa: BLE001 - the worker's reader of it raises
+                    self.export_conn.send(("export_failed", rid, error_of(e)[1]))
+                else:
+                    self.export_conn.send(("export", rid, hashes, token_ids, tail))
+                    self.export_conn.send_bytes(pages)
+            except (OSError, ValueError):  # the worker is gone
+                return

@@ -7,10 +7,11 @@ waits"); vLLM runs its engine core apart for the same reason. Here the loop only
 decodes one message a step.
 
 The process is spawned (never forked: CUDA), loads the model, and answers "ready" with its
-`EngineInfo` before `start()` returns. Two threads move the pipe's bytes so the loop never blocks on
-it: a writer (commands, in order) and a reader (hands each message to the loop). A finished request's
-KV export reaches the worker as a `RemoteExport` whose bytes arrive in a later message. If the
-process dies, every open stream and call fails with RuntimeError and `on_lost` is called.
+`EngineInfo` before `start()` returns. Three threads keep the loop off the pipes: a writer sends
+commands (a busy engine reads them between steps, so a full pipe must not block the loop), a reader
+hands each message of the command pipe to the loop, another takes KV exports off the second pipe. A finished request's export is a `RemoteExport` whose bytes
+may arrive before or after its output. If the process dies, every open stream and call fails with
+RuntimeError and `on_lost` is called.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import Optional
 
 from kvmesh.config import EngineConfig
 from kvmesh.engine.engine_client import EngineClient
-from kvmesh.engine.engine_core import ExportPending, run_engine_core
+from kvmesh.engine.engine_core import ExportPending, pages_of, run_engine_core
 from kvmesh.engine.engine_info import EngineInfo
 from kvmesh.engine.outputs import ExportedBlock, KVExport, RequestOutput
 
@@ -58,6 +59,14 @@ class RemoteExport(KVExport):
         return self
 
 
+def _settle(export: RemoteExport, msg: tuple) -> None:
+    """Fills (or fails) an export from its "export" (or "export_failed") message."""
+    if msg[0] == "export":
+        export.fill(msg[2], msg[3])
+    else:
+        export.fail(msg[2])
+
+
 def _raise_as(err: tuple[bool, str]) -> Exception:
     is_value, text = err
     return ValueError(text) if is_value else RuntimeError(text)
@@ -69,13 +78,15 @@ class EngineProcess(EngineClient):
         self.config = config
         self._info: Optional[EngineInfo] = None
         self._proc: Optional[multiprocessing.process.BaseProcess] = None
-        self._conn = None
+        self._conn = None  # commands out, results and outputs in (read on the loop)
+        self._export_conn = None  # exports in (read by a thread)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # for the writer thread; None: stop
         self._threads: list[threading.Thread] = []
         self._calls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
         self._prompts: dict[str, list[int]] = {}  # outputs come without them
         self._exports: dict[str, RemoteExport] = {}  # announced, bytes not yet here
+        self._early: dict[str, tuple] = {}  # bytes here, output not yet: ("export"|"export_failed", ...)
         self._lost = ""  # why the process is gone ("" while it serves)
         self._stopping = False
 
@@ -97,11 +108,13 @@ class EngineProcess(EngineClient):
         self._loop = asyncio.get_running_loop()
         ctx = multiprocessing.get_context("spawn")
         mine, theirs = ctx.Pipe(duplex=True)
-        proc = ctx.Process(target=run_engine_core, args=(self.config, theirs), name="kvmesh-engine-core",
-                           daemon=True)
+        exports_in, exports_out = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=run_engine_core, args=(self.config, theirs, exports_out),
+                           name="kvmesh-engine-core", daemon=True)
         proc.start()
         theirs.close()
-        self._proc, self._conn = proc, mine
+        exports_out.close()
+        self._proc, self._conn, self._export_conn = proc, mine, exports_in
         kind, payload = await asyncio.to_thread(self._first_message)
         if kind != "ready":
             await asyncio.to_thread(self._reap)
@@ -110,6 +123,7 @@ class EngineProcess(EngineClient):
         self._info = payload
         self._lost, self._stopping = "", False
         self._threads = [threading.Thread(target=self._read, name="kvmesh-engine-reader", daemon=True),
+                         threading.Thread(target=self._read_exports, name="kvmesh-engine-exports", daemon=True),
                          threading.Thread(target=self._write, name="kvmesh-engine-writer", daemon=True)]
         for t in self._threads:
             t.start()
@@ -142,41 +156,43 @@ class EngineProcess(EngineClient):
             self._proc.kill()
             self._proc.join()
         self._conn.close()
+        self._export_conn.close()
 
     # ---- pipe threads ----
     def _write(self) -> None:
         while (msg := self._outbox.get()) is not None:
             try:
-                if msg[0] == "import":  # the header, then each page raw
+                if msg[0] == "import":  # the header, then the pages back to back, raw
                     self._conn.send(msg[:-1])
-                    for data in msg[-1]:
-                        self._conn.send_bytes(data)
+                    self._conn.send_bytes(b"".join(msg[-1]))
                 else:
                     self._conn.send(msg)
             except (OSError, ValueError):  # the process is gone: the reader reports it
                 return
 
     def _read(self) -> None:
+        """Every message the engine sends on the command pipe, handed to the loop. (Not read on the
+        loop with add_reader: libuv, under the workers' uvloop, makes the socket non-blocking, and
+        the writer thread's sends then fail with EAGAIN once the pipe fills.)"""
         while True:
             try:
                 msg = self._conn.recv()
-                if msg[0] == "export":  # the pages follow, raw
-                    msg = self._export_of(msg, self._conn.recv_bytes())
             except (EOFError, OSError):
                 break
             self._to_loop(self._on_message, msg)
         code = self._proc.exitcode if self._proc is not None else None
         self._to_loop(self._on_lost, f"the engine process exited (code {code})")
 
-    @staticmethod
-    def _export_of(header: tuple, pages: bytes) -> tuple:
-        """("export", request id, [ExportedBlock], tail) from the header and the pages' bytes (cut on
-        this reader thread, off the loop)."""
-        _, rid, hashes, token_ids, tail = header
-        size = len(pages) // max(1, len(hashes))
-        blocks = [ExportedBlock(h, t, pages[i * size:(i + 1) * size])
-                  for i, (h, t) in enumerate(zip(hashes, token_ids))]
-        return "export", rid, blocks, tail
+    def _read_exports(self) -> None:
+        while True:
+            try:
+                msg = self._export_conn.recv()
+                if msg[0] == "export":  # the pages follow, raw; cut here, off the loop
+                    _, rid, hashes, token_ids, tail = msg
+                    msg = ("export", rid, pages_of(hashes, token_ids, self._export_conn.recv_bytes(), own=True), tail)
+            except (EOFError, OSError):
+                return  # the command pipe reports the end
+            self._to_loop(self._on_message, msg)
 
     def _to_loop(self, fn, *args) -> None:
         try:
@@ -194,15 +210,12 @@ class EngineProcess(EngineClient):
             fut = self._calls.pop(cid, None)
             if fut is not None and not fut.done():
                 fut.set_result(value) if ok else fut.set_exception(_raise_as(value))
-        elif kind == "export":
-            _, rid, blocks, tail = msg
-            export = self._exports.pop(rid, None)
-            if export is not None:
-                export.fill(blocks, tail)
-        elif kind == "export_failed":
+        elif kind in ("export", "export_failed"):
             export = self._exports.pop(msg[1], None)
-            if export is not None:
-                export.fail(msg[2])
+            if export is None:  # before the output that announces it
+                self._early[msg[1]] = msg
+            else:
+                _settle(export, msg)
         elif kind == "step_failed":
             self._deliver_error(_raise_as(msg[1]))
 
@@ -210,7 +223,12 @@ class EngineProcess(EngineClient):
         for o in outs:
             o.prompt_token_ids = self._prompts.get(o.request_id, [])
             if isinstance(o.kv_export, ExportPending):
-                o.kv_export = self._exports[o.request_id] = RemoteExport(o.kv_export)
+                o.kv_export = RemoteExport(o.kv_export)
+                early = self._early.pop(o.request_id, None)
+                if early is None:
+                    self._exports[o.request_id] = o.kv_export
+                else:
+                    _settle(o.kv_export, early)
         return outs
 
     def _on_lost(self, why: str) -> None:
@@ -226,6 +244,7 @@ class EngineProcess(EngineClient):
         for export in self._exports.values():
             export.fail(self._lost)
         self._exports.clear()
+        self._early.clear()
         self._fail_streams(self._lost)
         if not self._stopping and self.on_lost is not None:
             self.on_lost(why)
