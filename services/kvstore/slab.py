@@ -1,14 +1,15 @@
 """Slab: one preallocated buffer cut into equal block slots, in GPU memory or host memory.
 
 Allocated once, so storing a block never mallocs; a block occupies one slot (its size may be smaller
-than the slot). Free slots are a LIFO stack (reuse the warmest memory first). `copy_out` reads many
-slots at once: on the GPU one gather and one device-to-host copy, not one waiting copy a block.
+than the slot). Free slots are a LIFO stack (reuse the warmest memory first). On the GPU a write goes
+through a pinned `StagingRing` and does not wait for the copy; `copy_out` reads many slots at once:
+one gather and one device-to-host copy, not one waiting copy a block.
 """
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
+
+from kvmesh.kvstore.staging import StagingRing
 
 
 def resolve_device(device: str) -> str:
@@ -36,6 +37,7 @@ class Slab:
             import torch
             self._gpu = torch.empty((num_slots, slot_bytes), dtype=torch.uint8, device="cuda")  # [S, B]
             self._host = None
+            self._staging = StagingRing(slot_bytes)
         else:
             self._gpu = None
             self._host = np.empty((num_slots, slot_bytes), dtype=np.uint8)  # [S, B]
@@ -60,14 +62,10 @@ class Slab:
         n = len(data)
         if n > self.slot_bytes:
             raise ValueError(f"block of {n} bytes exceeds the slot size {self.slot_bytes} (--block-bytes)")
-        src = np.frombuffer(data, dtype=np.uint8)  # [n], no copy
         if self._host is not None:
-            self._host[slot, :n] = src
+            self._host[slot, :n] = np.frombuffer(data, dtype=np.uint8)  # [n], no copy of data
             return
-        import torch
-        with warnings.catch_warnings():  # read-only source buffer: torch only reads it here
-            warnings.simplefilter("ignore", UserWarning)
-            self._gpu[slot, :n].copy_(torch.from_numpy(src))
+        self._staging.copy_into(self._gpu[slot, :n], data)
 
     def read(self, slot: int, size: int) -> bytes:
         if self._host is not None:
