@@ -7,7 +7,8 @@ import random
 import pytest
 
 from kvmesh.kvstore.block import StoredBlock
-from kvmesh.kvstore.chunks import StreamError, assemble, block_chunks, decode_chunk, encode_chunk, missing_chunk
+from kvmesh.kvstore.chunks import (StreamError, assemble, batch_chunks, block_chunk_parts, block_chunks, decode_batch,
+                                   decode_chunk, encode_chunk, missing_chunk, missing_chunk_parts, unbatched)
 from kvmesh.wire import kvmesh_pb2 as pb
 
 
@@ -67,3 +68,36 @@ async def test_assemble_rejects_bad_streams():
         with pytest.raises(StreamError, match=msg):
             async for _ in assemble(_stream(stream)):
                 pass
+
+
+async def _batches(messages):
+    for m in messages:
+        yield decode_batch(m)
+
+
+@pytest.mark.parametrize("batch_bytes,n_messages", [(1, 9), (5000, 4), (1 << 20, 1)])
+async def test_batches_carry_the_same_chunks_and_blocks(batch_bytes, n_messages):
+    """ChunkBatch messages hold consecutive chunks, several blocks' a message; the generated protobuf
+    class reads them as we do, and the blocks reassemble byte for byte."""
+    blocks = [StoredBlock(os.urandom(32), [i], os.urandom(n), "L") for i, n in enumerate((10_000, 4096, 1, 9000))]
+    gone = os.urandom(32)
+    parts = [p for b in blocks[:2] for p in block_chunk_parts(b, 4096)] + [missing_chunk_parts(gone)] \
+        + [p for b in blocks[2:] for p in block_chunk_parts(b, 4096)]
+    single = [b"".join(p) for p in parts]
+    messages = list(batch_chunks(parts, batch_bytes))
+    assert (len(single), len(messages)) == (9, n_messages)  # a message closes once it holds batch_bytes
+    decoded = [c for m in messages for c in decode_batch(m)]
+    assert [(h, bytes(d)) for h, d in decoded] == [(h, bytes(d)) for h, d in map(decode_chunk, single)]
+    parsed = [c for m in messages for c in pb.ChunkBatch.FromString(m).chunks]
+    assert [c.SerializeToString() for c in parsed] == [pb.BlockChunk.FromString(x).SerializeToString() for x in single]
+    out = [(h, d) async for h, d in assemble(unbatched(_batches(messages)))]
+    assert [h.hash for h, _ in out] == [blocks[0].hash, blocks[1].hash, gone, blocks[2].hash, blocks[3].hash]
+    assert [bytes(d) for _, d in out if d is not None] == [b.data for b in blocks]
+
+
+def test_decode_batch_rejects_bad_bytes():
+    good = next(batch_chunks([missing_chunk_parts(os.urandom(32))], 1))
+    with pytest.raises(StreamError, match="past the end"):
+        decode_batch(good[:-1])
+    with pytest.raises(StreamError, match="unexpected field"):
+        decode_batch(b"\x12\x00")

@@ -93,6 +93,35 @@ async def test_bad_checksum_and_malformed_stream_rejected(node):
         assert (await stub.Stats(pb.StatsRequest(), timeout=RPC_TIMEOUT)).blocks_held == 0
 
 
+async def test_batched_rpcs_speak_protobuf_and_the_old_rpcs_still_work(node):
+    """PutBatched / GetBatched (what GrpcKVStoreClient uses) with the generated stub's own protobuf
+    objects, blocks put one way read back the other, and a malformed batch is refused."""
+    client = GrpcKVStoreClient([node.address])
+    async with grpc.aio.insecure_channel(node.address, options=GRPC_OPTIONS) as ch:
+        stub = pb_grpc.KVStoreStub(ch)
+        mine, theirs = rand_blocks(3, 300_000), rand_blocks(2, 5000)
+        assert await client.put(mine) == 3
+        batch = pb.ChunkBatch(chunks=[pb.BlockChunk(header=pb.BlockHeader(
+            hash=b.hash, size=len(b.data), crc32=zlib.crc32(b.data), layout=b.layout, token_ids=b.token_ids),
+            data=b.data) for b in theirs])
+        reply = await stub.PutBatched(iter([batch]), timeout=RPC_TIMEOUT)
+        assert (reply.stored, reply.already_held) == (2, 0)
+        assert await client.get([b.hash for b in theirs]) == theirs
+        want = [mine[2].hash, os.urandom(32), mine[0].hash]
+        chunks = [c async for m in stub.GetBatched(pb.GetRequest(hashes=want), timeout=RPC_TIMEOUT) for c in m.chunks]
+        heads = [c.header for c in chunks if c.HasField("header")]
+        assert [h.hash for h in heads] == want and [h.missing for h in heads] == [False, True, False]
+        assert len(chunks) == 5  # 300 KB blocks in 256 KiB chunks: two each, several to a message
+        assert b"".join(c.data for c in chunks) == mine[2].data + mine[0].data
+        old = [c async for c in stub.Get(pb.GetRequest(hashes=[theirs[0].hash]), timeout=RPC_TIMEOUT)]
+        assert [c.data for c in old] == [theirs[0].data]
+        bad = pb.ChunkBatch(chunks=[pb.BlockChunk(data=b"xx")])
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.PutBatched(iter([bad]), timeout=RPC_TIMEOUT)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    await client.close()
+
+
 async def test_leases_over_grpc_block_eviction_then_expire():
     server = KVStoreServer(cfg(capacity_blocks=4, block_bytes=64 * 1024, high_watermark=1.0, low_watermark=0.5))
     await server.start()

@@ -8,10 +8,16 @@ itself (one copy of the data instead of two: into the message, then serialized) 
 returns the data as a memoryview into the received message (no copy; the store writes it straight
 into its slab). The bytes on the wire are exactly `kvmesh.v1.BlockChunk`, so clients and servers built
 from the generated stubs interoperate.
+
+`PutBatched` / `GetBatched` carry consecutive chunks of the same stream several to a message
+(`kvmesh.v1.ChunkBatch`, about `chunk_bytes` a message): gRPC's cost is mostly per message, and a
+small model's page is ~100 KiB. `batch_chunks` writes a batch's wire bytes in one join (the data is
+copied once, as for a single chunk); `decode_batch` gives each chunk's data as a view into the
+received message.
 """
 from __future__ import annotations
 
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Iterable, Iterator
 
 from kvmesh.kvstore.block import StoredBlock
 from kvmesh.wire import kvmesh_pb2 as pb
@@ -54,18 +60,23 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def encode_chunk(header: pb.BlockHeader | None, data: bytes | memoryview) -> bytes:
-    """Wire bytes of BlockChunk(header=header, data=data)."""
+def _chunk_parts(header: pb.BlockHeader | None, data: bytes | memoryview) -> list:
+    """The pieces of BlockChunk(header=header, data=data)'s wire bytes, not yet joined."""
     parts = []
     if header is not None:
         h = header.SerializeToString()
         parts += [_HEADER_TAG, _varint(len(h)), h]
     if len(data):
         parts += [_DATA_TAG, _varint(len(data)), data]
-    return b"".join(parts)
+    return parts
 
 
-def decode_chunk(raw: bytes) -> Chunk:
+def encode_chunk(header: pb.BlockHeader | None, data: bytes | memoryview) -> bytes:
+    """Wire bytes of BlockChunk(header=header, data=data)."""
+    return b"".join(_chunk_parts(header, data))
+
+
+def decode_chunk(raw: bytes | memoryview) -> Chunk:
     """(header or None, data as a memoryview into `raw`) of one BlockChunk's wire bytes."""
     buf = memoryview(raw)
     header: pb.BlockHeader | None = None
@@ -93,19 +104,69 @@ def decode_chunk(raw: bytes) -> Chunk:
     return header, data
 
 
-def block_chunks(block: StoredBlock, chunk_bytes: int) -> Iterator[bytes]:
-    """Encoded chunks of one block; a block no larger than a chunk is one message."""
+def block_chunk_parts(block: StoredBlock, chunk_bytes: int) -> Iterator[list]:
+    """Each chunk of one block as its wire pieces (`_chunk_parts`), not yet joined."""
     data = block.data
     header = pb.BlockHeader(hash=block.hash, size=len(data), crc32=block.checksum(), layout=block.layout,
                             token_ids=block.token_ids)
     view = memoryview(data)
-    yield encode_chunk(header, view[:chunk_bytes])
+    yield _chunk_parts(header, view[:chunk_bytes])
     for start in range(chunk_bytes, len(data), chunk_bytes):
-        yield encode_chunk(None, view[start:start + chunk_bytes])
+        yield _chunk_parts(None, view[start:start + chunk_bytes])
+
+
+def block_chunks(block: StoredBlock, chunk_bytes: int) -> Iterator[bytes]:
+    """Encoded chunks of one block; a block no larger than a chunk is one message."""
+    for parts in block_chunk_parts(block, chunk_bytes):
+        yield b"".join(parts)
+
+
+def missing_chunk_parts(block_hash: bytes) -> list:
+    return _chunk_parts(pb.BlockHeader(hash=block_hash, missing=True), b"")
 
 
 def missing_chunk(block_hash: bytes) -> bytes:
-    return encode_chunk(pb.BlockHeader(hash=block_hash, missing=True), b"")
+    return b"".join(missing_chunk_parts(block_hash))
+
+
+def batch_chunks(chunks: Iterable[list], batch_bytes: int) -> Iterator[bytes]:
+    """ChunkBatch wire bytes of consecutive chunks (each given as its pieces), a message once it
+    holds at least `batch_bytes` (the last one whatever is left)."""
+    parts: list = []
+    size = 0
+    for pieces in chunks:
+        n = sum(len(p) for p in pieces)
+        parts += [_HEADER_TAG, _varint(n), *pieces]  # ChunkBatch.chunks is field 1, length-delimited
+        size += n
+        if size >= batch_bytes:
+            yield b"".join(parts)
+            parts, size = [], 0
+    if parts:
+        yield b"".join(parts)
+
+
+def decode_batch(raw: bytes) -> list[Chunk]:
+    """The chunks of one ChunkBatch's wire bytes, in order (data as views into `raw`)."""
+    buf = memoryview(raw)
+    out = []
+    pos = 0
+    while pos < len(buf):
+        key, pos = _read_varint(buf, pos)
+        if key != 0x0A:
+            raise StreamError(f"ChunkBatch: unexpected field key {key}")
+        n, pos = _read_varint(buf, pos)
+        if pos + n > len(buf):
+            raise StreamError("ChunkBatch chunk runs past the end of the message")
+        out.append(decode_chunk(buf[pos:pos + n]))
+        pos += n
+    return out
+
+
+async def unbatched(batches: AsyncIterator[list[Chunk]]) -> AsyncIterator[Chunk]:
+    """The chunks of a stream of decoded batches, one at a time (what `assemble` reads)."""
+    async for batch in batches:
+        for chunk in batch:
+            yield chunk
 
 
 async def assemble(chunks: AsyncIterator[Chunk]) -> AsyncIterator[tuple[pb.BlockHeader, bytes | memoryview | None]]:

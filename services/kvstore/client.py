@@ -15,7 +15,7 @@ import grpc
 
 from kvmesh.kvstore import checksum
 from kvmesh.kvstore.block import StoredBlock
-from kvmesh.kvstore.chunks import GRPC_OPTIONS, assemble, block_chunks, decode_chunk
+from kvmesh.kvstore.chunks import GRPC_OPTIONS, assemble, batch_chunks, block_chunk_parts, decode_batch, unbatched
 from kvmesh.kvstore.malloc import tune_malloc
 from kvmesh.kvstore.rendezvous import node_for
 from kvmesh.kvstore.store import BlockStore, PutResult
@@ -90,14 +90,16 @@ class LocalKVStoreClient:
 
 
 class _Stub(pb_grpc.KVStoreStub):
-    """The generated stub, with Put/Get carrying pre-encoded / lazily decoded BlockChunks (chunks.py)."""
+    """The generated stub, with PutBatched/GetBatched carrying pre-encoded / lazily decoded chunk
+    batches (chunks.py)."""
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
         super().__init__(channel)
-        self.Put = channel.stream_unary("/kvmesh.v1.KVStore/Put", request_serializer=None,
-                                        response_deserializer=pb.PutReply.FromString)
-        self.Get = channel.unary_stream("/kvmesh.v1.KVStore/Get", request_serializer=pb.GetRequest.SerializeToString,
-                                        response_deserializer=decode_chunk)
+        self.PutBatched = channel.stream_unary("/kvmesh.v1.KVStore/PutBatched", request_serializer=None,
+                                               response_deserializer=pb.PutReply.FromString)
+        self.GetBatched = channel.unary_stream("/kvmesh.v1.KVStore/GetBatched",
+                                               request_serializer=pb.GetRequest.SerializeToString,
+                                               response_deserializer=decode_batch)
 
 
 class GrpcKVStoreClient:
@@ -162,8 +164,8 @@ class GrpcKVStoreClient:
             nonlocal held
             def chunks():
                 for i in idx:
-                    yield from block_chunks(blocks[i], self.chunk_bytes)
-            reply = await self._stubs[node].Put(chunks(), timeout=self.timeout)
+                    yield from block_chunk_parts(blocks[i], self.chunk_bytes)
+            reply = await self._stubs[node].PutBatched(batch_chunks(chunks(), self.chunk_bytes), timeout=self.timeout)
             held += reply.stored + reply.already_held
             return [None] * len(idx)
 
@@ -176,7 +178,7 @@ class GrpcKVStoreClient:
             req = pb.GetRequest(hashes=[hashes[i] for i in idx], lease_holder=lease_holder,
                                 lease_seconds=lease_seconds)
             out: list[StoredBlock | None] = []
-            async for header, data in assemble(self._stubs[node].Get(req, timeout=self.timeout)):
+            async for header, data in assemble(unbatched(self._stubs[node].GetBatched(req, timeout=self.timeout))):
                 if data is None:
                     out.append(None)
                     continue

@@ -14,7 +14,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvmesh.index import PrefixIndex, make_index
-from kvmesh.kvstore.chunks import GRPC_OPTIONS, StreamError, assemble, block_chunks, decode_chunk, missing_chunk
+from kvmesh.kvstore.chunks import (GRPC_OPTIONS, StreamError, assemble, batch_chunks, block_chunk_parts, decode_batch,
+                                   decode_chunk, missing_chunk_parts, unbatched)
 from kvmesh.kvstore.config import KVStoreConfig
 from kvmesh.kvstore.malloc import tune_malloc
 from kvmesh.kvstore.publisher import IndexPublisher
@@ -38,10 +39,16 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return self.metrics.time_transfer(op) if self.metrics is not None else contextlib.nullcontext()
 
     async def Put(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PutReply:
+        return await self._put(request_iterator, context)
+
+    async def PutBatched(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PutReply:
+        return await self._put(unbatched(request_iterator), context)
+
+    async def _put(self, chunks, context: grpc.aio.ServicerContext) -> pb.PutReply:
         counts = {r: 0 for r in PutResult}
         try:
             with self._timed("put"):
-                async for header, data in assemble(request_iterator):
+                async for header, data in assemble(chunks):
                     if data is None:
                         raise StreamError(f"Put: block {header.hash.hex()[:16]} is flagged missing")
                     if not header.hash:
@@ -55,6 +62,16 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                            rejected=counts[PutResult.REJECTED])
 
     async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext):
+        async for parts in self._get(request):
+            yield b"".join(parts)
+
+    async def GetBatched(self, request: pb.GetRequest, context: grpc.aio.ServicerContext):
+        chunks = [parts async for parts in self._get(request)]  # the blocks are read in one copy anyway
+        for message in batch_chunks(chunks, self.chunk_bytes):
+            yield message
+
+    async def _get(self, request: pb.GetRequest):
+        """Each chunk of the requested blocks, in order, as its wire pieces."""
         hashes = list(request.hashes)
         # Lease everything first: later blocks must survive while earlier ones stream.
         self.store.lease(hashes, request.lease_holder, request.lease_seconds)
@@ -63,10 +80,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             blocks = await self.store.get_many(hashes, request.lease_holder, request.lease_seconds).gather()
             for h, block in zip(hashes, blocks):
                 if block is None:
-                    yield missing_chunk(h)
+                    yield missing_chunk_parts(h)
                     continue
-                for chunk in block_chunks(block, self.chunk_bytes):
-                    yield chunk
+                for parts in block_chunk_parts(block, self.chunk_bytes):
+                    yield parts
 
     async def Contains(self, request: pb.ContainsRequest, context) -> pb.ContainsReply:
         return pb.ContainsReply(present=self.store.contains(list(request.hashes)))
@@ -80,13 +97,18 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     def handler(self) -> grpc.GenericRpcHandler:
         """Like the generated add_KVStoreServicer_to_server, but BlockChunks skip protobuf objects:
-        Put receives (header, memoryview) pairs and Get sends pre-encoded bytes (see chunks.py)."""
+        Put receives (header, memoryview) pairs (PutBatched lists of them) and Get and GetBatched
+        send pre-encoded bytes (see chunks.py)."""
         reply = lambda msg: msg.SerializeToString()  # noqa: E731
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
             "Put": grpc.stream_unary_rpc_method_handler(self.Put, request_deserializer=decode_chunk,
                                                         response_serializer=reply),
             "Get": grpc.unary_stream_rpc_method_handler(self.Get, request_deserializer=pb.GetRequest.FromString,
                                                         response_serializer=None),
+            "PutBatched": grpc.stream_unary_rpc_method_handler(self.PutBatched, request_deserializer=decode_batch,
+                                                               response_serializer=reply),
+            "GetBatched": grpc.unary_stream_rpc_method_handler(
+                self.GetBatched, request_deserializer=pb.GetRequest.FromString, response_serializer=None),
             "Contains": grpc.unary_unary_rpc_method_handler(
                 self.Contains, request_deserializer=pb.ContainsRequest.FromString, response_serializer=reply),
             "Release": grpc.unary_unary_rpc_method_handler(

@@ -30,6 +30,12 @@ class BlockChunk(_message.Message):
     data: bytes
     def __init__(self, header: _Optional[_Union[BlockHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class ChunkBatch(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[BlockChunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[BlockChunk, _Mapping]]] = ...) -> None: ...
+
 class PutReply(_message.Message):
     __slots__ = ("stored", "already_held", "rejected")
     STORED_FIELD_NUMBER: _ClassVar[int]
