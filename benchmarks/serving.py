@@ -3,7 +3,7 @@
     python3 benchmarks/serving.py [--topologies engine,colocated,disaggregated] [--kv-cache-dtype int4]
         [--requests 256] [--prompt-len 1024] [--new-tokens 128] [--spread 0.75] [--concurrency 0]
         [--kv-memory-mib 512] [--max-num-seqs 256] [--reps 2] [--device cuda] [--out table.md]
-        [--max-chunk-rates 5000] [--engine-process on,off] [--trees base=/path/to/dir,new=]
+        [--max-chunk-rates 5000] [--engine-process on,off] [--num-kvstore 1,2] [--trees base=/path/to/dir,new=]
 
 What a user of the API gets next to what the engine could give on the same machine, the same load:
 - "engine": `LLM`'s engine in this process, every request added at once and stepped to the end
@@ -13,8 +13,9 @@ What a user of the API gets next to what the engine could give on the same machi
   HTTP from an aiohttp client in this process;
 - "disaggregated": `kvmesh up` as shipped (one prefill worker hands each prompt's KV to the decode
   worker through the kvstore).
-Each served topology runs a stack per --max-chunk-rates value and per --engine-process value (on: the
-workers' engines in processes of their own, the default; off: in a thread of the worker's process)
+Each served topology runs a stack per --max-chunk-rates value, per --num-kvstore value and per
+--engine-process value (on: the workers' engines in processes of their own, the default; off: in a
+thread of the worker's process)
 and per --trees entry (name=DIR: the stack's services import `kvmesh` from DIR, put first on their
 PYTHONPATH; an empty DIR: this process's `kvmesh`), so two versions of the code run side by side.
 Every setup gets the same pool bytes, flags and requests: prompts of random token ids and greedy
@@ -226,6 +227,7 @@ def main() -> None:
                     help="the decode worker's --max-chunk-rate, a row (and a stack) for each")
     ap.add_argument("--engine-process", default="on",
                     help="on, off or on,off: the workers' engines in processes of their own, a stack for each")
+    ap.add_argument("--num-kvstore", default="1", help="kvstore nodes, e.g. 1,2: a stack for each")
     ap.add_argument("--trees", default="",
                     help="name=DIR,...: a stack per source tree (DIR holds the kvmesh package; empty: this one's)")
     ap.add_argument("--kv-memory-mib", type=int, default=512)
@@ -258,12 +260,14 @@ def main() -> None:
                 setups[name] = lambda ld, r, eng=eng: engine_row(eng, ld, a.device, f"r{r}")
                 continue
             trees = [t.split("=", 1) for t in a.trees.split(",")] if a.trees else [("", "")]
-            for rate, proc, (tree, src) in ((r, p, t) for r in a.max_chunk_rates.split(",")
-                                            for p in a.engine_process.split(",") for t in trees):
+            for rate, proc, nodes, (tree, src) in ((r, p, n, t) for r in a.max_chunk_rates.split(",")
+                                                   for p in a.engine_process.split(",")
+                                                   for n in a.num_kvstore.split(",") for t in trees):
                 metrics_port, prefill_port = free_port(), free_port()
                 where = "--engine-process" if proc == "on" else "--no-engine-process"
                 cfg = StackConfig(model=model, kv_cache_dtype=a.kv_cache_dtype, port=0,
                                   engine_flags=engine_flags(a, longest), num_prefill=TOPOLOGIES[name],
+                                  num_kvstore=int(nodes),
                                   log_level="warning", extra_args=(("decode", (
                                       "--max-chunk-rate", rate, "--metrics-port", str(metrics_port), where)),
                                       ("prefill", (where, "--metrics-port", str(prefill_port)))))
@@ -282,7 +286,8 @@ def main() -> None:
                                 ttft_means=(sum(row["ttft"]) / len(row["ttft"]) * 1e3,
                                             mean_ttft_ms(gw0, histogram_totals(url + "/metrics")),
                                             mean_ttft_ms(wk0, histogram_totals(metrics))))
-                setups[f"{name}, chunk rate {rate}, engine process {proc}" + (f", {tree}" if tree else "")] = run
+                setups[f"{name}, chunk rate {rate}, engine process {proc}" + (f", {nodes} kvstores" if nodes != "1" else "")
+                       + (f", {tree}" if tree else "")] = run
         best: dict[str, dict] = {}
         for r, ld in enumerate(loads):
             for name, run in setups.items():
