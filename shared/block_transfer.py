@@ -39,6 +39,10 @@ class PullResult:
     seconds: float
     error: str = ""
     """Why the store could not be read (the request goes on and recomputes)."""
+    get_seconds: float = 0.0
+    """Of `seconds`, the kvstore get (the rest: the engine's local blocks, the import, the release)."""
+    import_seconds: float = 0.0
+    """Of `seconds`, the import into the engine (it waits for a step boundary)."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,8 @@ class TransferMetrics:
                               ["op"], registry=registry)  # op: pulled | missing | pushed
         self.bytes = Counter(PREFIX + "worker_transfer_bytes", "KV page bytes moved to/from the kvstore.",
                              ["op"], registry=registry)
-        self.seconds = Histogram(PREFIX + "worker_transfer_seconds", "One pull (get+import+release) or push.",
+        self.seconds = Histogram(PREFIX + "worker_transfer_seconds",
+                                 "One pull (get+import+release), its get (pull_get) and import (pull_import), or push.",
                                  ["op"], buckets=TRANSFER_BUCKETS, registry=registry)
         self.errors = Counter(PREFIX + "worker_transfer_errors", "kvstore calls that failed (recomputed).",
                               ["op"], registry=registry)
@@ -69,6 +74,10 @@ class TransferMetrics:
         self.blocks.labels("missing").inc(r.missing)
         self.bytes.labels("pull").inc(r.nbytes)
         self.seconds.labels("pull").observe(r.seconds)
+        if r.get_seconds:
+            self.seconds.labels("pull_get").observe(r.get_seconds)
+        if r.import_seconds:
+            self.seconds.labels("pull_import").observe(r.import_seconds)
         if r.error:
             self.errors.labels("pull").inc()
 
@@ -118,6 +127,7 @@ class BlockTransfer:
         want = [h for h in hashes if h not in local]
         if not want:
             return PullResult([], 0, 0, 0.0)
+        t_get = time.perf_counter()
         try:
             got = await self.kvstore.get(want, lease_holder=self.holder, lease_seconds=self.lease_seconds)
         except Exception as e:  # no store reachable: a cache miss, not a failed request
@@ -131,8 +141,10 @@ class BlockTransfer:
                 usable.append(ExportedBlock(hash=h, token_ids=list(blk.token_ids), data=blk.data))
             # Everything before the first gap is a contiguous chain together with the local blocks.
             chain_end = len(usable)
+            t_import = time.perf_counter()
             if usable:
                 await engine.import_blocks(usable, cache_salt)
+            t_imported = time.perf_counter()
         finally:
             leased = [h for h, blk in zip(want, got) if blk is not None]
             if leased:
@@ -141,8 +153,8 @@ class BlockTransfer:
                 except Exception as e:  # the leases expire after --lease-seconds anyway
                     log.warning("kvstore release of %d blocks failed: %s", len(leased), e)
         nbytes = sum(len(b.data) for b in usable)
-        return PullResult([b.hash for b in usable], len(want) - chain_end, nbytes,
-                          time.perf_counter() - start)
+        return PullResult([b.hash for b in usable], len(want) - chain_end, nbytes, time.perf_counter() - start,
+                          get_seconds=t_import - t_get, import_seconds=t_imported - t_import)
 
     async def _push(self, blocks: Sequence[ExportedBlock], known: Collection[bytes]) -> PushResult:
         start = time.perf_counter()

@@ -175,6 +175,7 @@ async def test_block_transfer_pull_and_push_against_a_real_store(tmp_path):
     try:
         r = await t.pull(engine, [b.hash for b in blocks], local={blocks[1].hash})
         assert r.imported == [blocks[0].hash, blocks[2].hash] and r.missing == 2  # stops at block 3
+        assert 0 < r.get_seconds and 0 < r.import_seconds and r.get_seconds + r.import_seconds <= r.seconds
         held = await engine.run(lambda e: [e.kv.contains(b.hash) for b in blocks])
         assert held == [True, False, True, False, False]
         assert not any(store.leases.is_leased(b.hash) for b in blocks)  # released after the import

@@ -9,9 +9,9 @@ decodes one message a step.
 The process is spawned (never forked: CUDA), loads the model, and answers "ready" with its
 `EngineInfo` before `start()` returns. Three threads keep the loop off the pipes: a writer sends
 commands (a busy engine reads them between steps, so a full pipe must not block the loop), a reader
-hands each message of the command pipe to the loop, another takes KV exports off the second pipe. A finished request's export is a `RemoteExport` whose bytes
-may arrive before or after its output. If the process dies, every open stream and call fails with
-RuntimeError and `on_lost` is called.
+hands each message of the command pipe to the loop, another takes KV exports off the second pipe.
+A finished request's export is a `RemoteExport` whose bytes may arrive before or after its output.
+If the process dies, every open stream and call fails with RuntimeError and `on_lost` is called.
 """
 from __future__ import annotations
 
