@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Collection, Sequence, Union
+from typing import Any, Collection, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -40,7 +40,7 @@ class PullResult:
     error: str = ""
     """Why the store could not be read (the request goes on and recomputes)."""
     get_seconds: float = 0.0
-    """Of `seconds`, the kvstore get (the rest: the engine's local blocks, the import, the release)."""
+    """Of `seconds`, the kvstore get (the rest: the import and the release)."""
     import_seconds: float = 0.0
     """Of `seconds`, the import into the engine (it waits for a step boundary)."""
 
@@ -102,11 +102,11 @@ class BlockTransfer:
         self.metrics = metrics
 
     async def pull(self, engine: Any, hashes: Sequence[bytes], cache_salt: str = "",
-                   local: Union[Collection[bytes], Callable[[], Awaitable[Collection[bytes]]]] = ()) -> PullResult:
+                   local: Collection[bytes] = ()) -> PullResult:
         """Imports the longest prefix of `hashes` available locally or in the kvstore into `engine`
-        (an EngineClient). Blocks in `local` (already in the engine's prefix cache; or an async
-        function giving them, asked only when there is something to pull: it waits for the engine)
-        are not fetched. A block the store lacks ends the prefix: the engine recomputes from there."""
+        (an EngineClient). Blocks in `local` (in the engine's prefix cache, as far as the worker
+        knows: `WorkerRuntime.known_blocks`) are not fetched. A block the store lacks ends the
+        prefix: the engine recomputes from there."""
         r = await self._pull(engine, hashes, cache_salt, local)
         if self.metrics is not None:
             self.metrics.pulled(r)
@@ -122,8 +122,6 @@ class BlockTransfer:
 
     async def _pull(self, engine: Any, hashes: Sequence[bytes], cache_salt: str, local) -> PullResult:
         start = time.perf_counter()
-        if hashes and callable(local):
-            local = await local()
         want = [h for h in hashes if h not in local]
         if not want:
             return PullResult([], 0, 0, 0.0)

@@ -1,5 +1,6 @@
-"""WorkerRuntime's prefix-cache events: a request's lookup of the local cache drains them without
-a round trip to the index; the publish tick sends each hash's last state, and retries a failed one."""
+"""WorkerRuntime's prefix-cache events: the drains keep the worker's view of its engine's blocks
+(what a pull skips) without a round trip to the index; the publish tick sends each hash's last
+state, and retries a failed one."""
 from __future__ import annotations
 
 import asyncio
@@ -53,15 +54,15 @@ async def _generate(rt: WorkerRuntime, rid: str, prompt: list[int]) -> None:
         pass
 
 
-async def test_local_lookups_drain_without_publishing_and_the_tick_publishes(runtime):
+async def test_the_known_blocks_follow_the_drains_and_the_tick_publishes(runtime):
     rt, index = runtime, runtime.index
     prompt = random_prompts(1, 40, 40, seed=3)[0]  # two full blocks of 16
     await _generate(rt, "a", prompt)
-    held = set(await rt.local_blocks())
-    assert len(held) == 2 and index.calls == 0  # known locally at once, the index not asked
-    assert await index.lookup(sorted(held)) == [frozenset(), frozenset()]
+    assert rt.known_blocks() == set()  # not drained yet: a pull would fetch them again (harmless)
     await rt.publish_events()
-    assert index.calls == 1 and await index.lookup(sorted(held)) == [frozenset({rt.holder})] * 2
+    held = set(rt.known_blocks())
+    assert len(held) == 2 and index.calls == 1
+    assert await index.lookup(sorted(held)) == [frozenset({rt.holder})] * 2
     await rt.publish_events()
     assert index.calls == 1  # nothing new: no call
 
@@ -72,32 +73,37 @@ async def test_a_failed_publish_is_sent_again_with_what_came_after(runtime):
     index.down = True
     with pytest.raises(ConnectionError):
         await rt.publish_events()
+    assert len(rt.known_blocks()) == 2  # drained, though not published
     await _generate(rt, "b", random_prompts(1, 33, 33, seed=5)[0])
-    held = set(await rt.local_blocks())
-    assert len(held) == 4
     index.down = False
     await rt.publish_events()
+    held = set(rt.known_blocks())
+    assert len(held) == 4
     assert await index.lookup(sorted(held)) == [frozenset({rt.holder})] * 4
 
 
-async def test_concurrent_lookups_share_a_drain_begun_after_they_asked(runtime):
-    """A burst of requests asks for the local blocks at once: they share one engine round trip (each
-    waits for a step boundary) instead of queueing one apiece, and none gets a drain older than its call."""
+async def test_a_pull_with_a_stale_view_refetches_and_the_import_skips_what_is_held(runtime, tmp_path):
+    """What `known_blocks` trades: blocks stored since the last drain are fetched again, and the
+    engine's import takes none of them twice."""
+    from kvmesh.block_transfer import BlockTransfer
+    from kvmesh.kvstore.client import LocalKVStoreClient
+    from kvmesh.kvstore.config import KVStoreConfig
+    from kvmesh.kvstore.store import BlockStore
+
     rt = runtime
-    calls = []
-    real_call = rt.engine.call
-
-    async def counting_call(method, *args, **kwargs):
-        if method == "drain_kv_events":
-            calls.append(method)
-            await asyncio.sleep(0.05)  # a step in flight
-        return await real_call(method, *args, **kwargs)
-
-    rt.engine.call = counting_call
-    first = asyncio.ensure_future(rt.local_blocks())
-    await asyncio.sleep(0.01)  # its drain is running
-    await _generate(rt, "a", random_prompts(1, 40, 40, seed=6)[0])  # two blocks stored after it began
-    held = await asyncio.gather(*(rt.local_blocks() for _ in range(32)))
-    await first
-    assert len(calls) == 2  # the first caller's drain, then one for all 32 that came later
-    assert all(len(h) == 2 for h in held)  # the later drain saw the new blocks
+    engine = rt.engine
+    prompt = random_prompts(1, 40, 40, seed=8)[0]
+    exported = [o async for o in engine.generate("x", prompt, SamplingParams(temperature=0.0, max_tokens=1),
+                                                 export_kv=True)][-1].kv_export
+    await asyncio.to_thread(exported.ready)
+    store = BlockStore(KVStoreConfig(capacity_bytes=1 << 20))
+    t = BlockTransfer(LocalKVStoreClient(store), engine.info.layout, engine.info.model_id, holder="w", lease_seconds=5)
+    assert (await t.push(exported.blocks)).stored == 2
+    assert rt.known_blocks() == set()  # the engine holds both, the worker has not drained since
+    r = await t.pull(engine, [b.hash for b in exported.blocks], local=rt.known_blocks())
+    assert len(r.imported) == 2 and r.missing == 0  # fetched again
+    assert await engine.call("import_blocks", exported.blocks) == 0  # the engine takes no page it holds
+    await rt.publish_events()
+    assert rt.known_blocks() == {b.hash for b in exported.blocks}
+    r = await t.pull(engine, [b.hash for b in exported.blocks], local=rt.known_blocks())
+    assert r.imported == [] and r.get_seconds == 0.0  # known now: no store call

@@ -115,7 +115,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 return
 
             pulled = await self.transfer.pull(self.engine, [r.hash for r in refs], request.cache_salt,
-                                              local=self.runtime.local_blocks)
+                                              local=self.runtime.known_blocks())
             span.set_attribute("kvmesh.pulled_blocks", len(pulled.imported))
             span.set_attribute("kvmesh.missing_blocks", pulled.missing)
             resume = convert.resume_from_prefill(request.prefilled, params.logprobs is not None) if resuming else None

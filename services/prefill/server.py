@@ -69,7 +69,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             span.set_attribute("kvmesh.cached_blocks", len(refs))
 
             pulled = await self.transfer.pull(self.engine, [r.hash for r in refs], request.cache_salt,
-                                              local=self.runtime.local_blocks)
+                                              local=self.runtime.known_blocks())
             span.set_attribute("kvmesh.pulled_blocks", len(pulled.imported))
             span.set_attribute("kvmesh.missing_blocks", pulled.missing)
 
