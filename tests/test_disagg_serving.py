@@ -391,7 +391,7 @@ async def test_a_paced_stream_carries_several_tokens_a_message(stack: Stack):
     params = dataclasses.replace(_greedy(24), logprobs=1)
     ref = (await asyncio.to_thread(stack.reference.generate, [prompt], params))[0].outputs[0]
     servicer = (await stack.decode(1)).servicer
-    servicer.max_chunk_rate = 5  # one stream: a message every 0.2 s, several steps on this CPU
+    servicer.max_chunk_rate = 2  # one stream: a message every 0.5 s, several steps even on a loaded CPU
     try:
         chunks = [c async for c in (await stack.decode_stub(1)).Generate(pb.GenerateRequest(
             request_id="paced", prompt_token_ids=prompt, sampling=convert.sampling_to_proto(params),
