@@ -146,6 +146,8 @@ async def test_kv_export_import_and_resume_across_processes(model_dir):
                                        atol=1e-6)
         with pytest.raises(ValueError, match="this engine's page is"):  # checked in the engine process
             await b.import_blocks([ExportedBlock(exp.blocks[0].hash, exp.blocks[0].token_ids, b"short")])
+        with pytest.raises(ValueError, match="must be bytes"):  # refused before the pipe's writer sees it
+            await b.import_blocks([ExportedBlock(exp.blocks[0].hash, exp.blocks[0].token_ids, "text")])
         assert await b.import_blocks(exp.blocks) == 2
         assert [h for kind, h in await b.call("drain_kv_events") if kind == "stored"] == [x.hash for x in exp.blocks]
         params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

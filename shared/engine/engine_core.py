@@ -105,7 +105,9 @@ class EngineCore:
             while self.conn.poll(0):
                 try:
                     msg = self.conn.recv()
-                except (EOFError, OSError):
+                    if msg[0] == "import":  # the pages follow, raw, as one message
+                        msg = msg + (self.conn.recv_bytes(),)
+                except (EOFError, OSError):  # the worker is gone
                     return
                 if msg[0] == "stop":
                     return
@@ -123,9 +125,9 @@ class EngineCore:
         if msg[0] == "abort":
             self.engine.abort(msg[1])
             return
-        if msg[0] == "import":  # the pages follow, raw
-            _, cid, hashes, token_ids, salt = msg
-            msg = ("call", cid, "import_blocks", (pages_of(hashes, token_ids, self.conn.recv_bytes()), salt), {})
+        if msg[0] == "import":
+            _, cid, hashes, token_ids, salt, pages = msg
+            msg = ("call", cid, "import_blocks", (pages_of(hashes, token_ids, pages), salt), {})
         _, cid, method, args, kwargs = msg
         try:
             if method not in CALLS:

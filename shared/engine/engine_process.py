@@ -254,7 +254,11 @@ class EngineProcess(EngineClient):
         return await self._ask("call", method, args, kwargs)
 
     async def import_blocks(self, blocks: list[ExportedBlock], cache_salt: str = "") -> int:
-        """As `EngineClient.import_blocks`; the pages cross the pipe raw, not pickled."""
+        """As `EngineClient.import_blocks`; the pages cross the pipe raw, not pickled (joined by the
+        writer thread, which must not meet a page it cannot join)."""
+        for b in blocks:
+            if not isinstance(b.data, (bytes, bytearray, memoryview)):
+                raise ValueError(f"blocks[].data must be bytes, got {type(b.data).__name__}")
         return await self._ask("import", [b.hash for b in blocks], [b.token_ids for b in blocks], cache_salt,
                                [b.data for b in blocks])
 
