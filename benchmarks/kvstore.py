@@ -1,6 +1,7 @@
 """kvstore benchmark: put/get throughput over loopback gRPC (1 MiB blocks by default) and index lookups/s.
 
     .venv/bin/python benchmarks/kvstore.py [--total-mib 512] [--block-kib 1024] [--streams 4] [--lookups 2000]
+        [--shared-memory-mib 0,64]
 
 The kvstore runs as its own process (`python -m kvmesh.kvstore`), as in a deployment; the client is
 GrpcKVStoreClient. Index lookups are of 256 hashes each (a 4,096-token prompt at block size 16), half
@@ -48,7 +49,8 @@ def proc_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def bench_transfer(total_mib: int, streams: int, batch: int, device: str, block_bytes: int) -> dict[str, float]:
+async def bench_transfer(total_mib: int, streams: int, batch: int, device: str, block_bytes: int,
+                         shared_mib: int = 0) -> dict[str, float]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvmesh.kvstore", "--port", str(port), "--device", device,
                              "--capacity-bytes", str((total_mib + 64) * MiB), "--block-bytes", str(block_bytes)],
@@ -56,7 +58,7 @@ async def bench_transfer(total_mib: int, streams: int, batch: int, device: str, 
     address = f"127.0.0.1:{port}"
     try:
         await wait_serving(address)
-        client = GrpcKVStoreClient([address])
+        client = GrpcKVStoreClient([address], shared_memory_bytes=shared_mib * MiB)
         payload = os.urandom(block_bytes)  # distinct blocks differ in their first bytes
         blocks = [StoredBlock(i.to_bytes(32, "big"), list(range(16)), i.to_bytes(8, "big") + payload[8:], "bench")
                   for i in range(total_mib * MiB // block_bytes)]
@@ -115,6 +117,8 @@ async def main() -> None:
     ap.add_argument("--batch", type=int, default=16, help="blocks per put/get call")
     ap.add_argument("--lookups", type=int, default=2000, help="256-hash index lookups per backend")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"], help="where the kvstore pool lives")
+    ap.add_argument("--shared-memory-mib", default="0",
+                    help="the client's shared-memory segment (0: gRPC messages only), e.g. 0,64: a row each")
     args = ap.parse_args()
     try:
         import uvloop
@@ -123,12 +127,13 @@ async def main() -> None:
         pass
 
     rows = []
-    t = await bench_transfer(args.total_mib, args.streams, args.batch, args.device, args.block_kib * 1024)
-    for op in ("put", "get"):
-        client_ms, server_ms = t["cpu"][op]
-        rows.append((f"kvstore {op}, {args.block_kib} KiB blocks, loopback gRPC, {args.device} pool",
-                     f"{t[op]:.2f} GB/s"))
-        rows.append(("  CPU ms per MiB: client | kvstore process", f"{client_ms:.2f} | {server_ms:.2f}"))
+    for shared in map(int, args.shared_memory_mib.split(",")):
+        t = await bench_transfer(args.total_mib, args.streams, args.batch, args.device, args.block_kib * 1024, shared)
+        how = f"shared memory ({shared} MiB)" if shared else "loopback gRPC"
+        for op in ("put", "get"):
+            client_ms, server_ms = t["cpu"][op]
+            rows.append((f"kvstore {op}, {args.block_kib} KiB blocks, {how}, {args.device} pool", f"{t[op]:.2f} GB/s"))
+            rows.append(("  CPU ms per MiB: client | kvstore process", f"{client_ms:.2f} | {server_ms:.2f}"))
     mem = MemoryIndex()
     rows.append(("index lookup, 256 hashes, MemoryIndex", f"{await bench_index(mem, args.lookups):,.0f} lookups/s"))
     try:

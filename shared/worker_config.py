@@ -56,6 +56,9 @@ class WorkerConfig:
     engine_process: bool = True
     """--engine-process / --no-engine-process: run the engine in a process of its own (its steps
     never wait for the GIL of the gRPC event loop), or in a thread of the worker's."""
+    kvstore_shared_memory_mib: int = 64
+    """--kvstore-shared-memory-mib: a segment of /dev/shm through which blocks move to and from the
+    kvstore nodes on this host (the others, and calls it has no room for, use gRPC messages); 0 = off."""
 
     def __post_init__(self) -> None:
         if not self.kvstore:
@@ -74,6 +77,8 @@ class WorkerConfig:
             raise ValueError(f"--publish-interval must be positive, got {self.publish_interval}")
         if self.max_pending_requests < 0:
             raise ValueError(f"--max-pending-requests must be >= 0, got {self.max_pending_requests}")
+        if self.kvstore_shared_memory_mib < 0:
+            raise ValueError(f"--kvstore-shared-memory-mib must be >= 0, got {self.kvstore_shared_memory_mib}")
 
     def holder(self, bound_port: int) -> str:
         """The name this worker publishes in the index: --advertise-address or host:bound port."""
@@ -102,6 +107,8 @@ def add_worker_args(parser: argparse.ArgumentParser, default_port: int) -> argpa
                    help="calls in flight beyond which new ones are refused (0 = no limit)")
     g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=d.engine_process,
                    help="run the engine in a process of its own (default) or in a thread of the worker's")
+    g.add_argument("--kvstore-shared-memory-mib", type=int, default=d.kvstore_shared_memory_mib,
+                   help="MiB of /dev/shm for block moves with kvstore nodes on this host (0 = gRPC only)")
     return parser
 
 
@@ -112,4 +119,4 @@ def worker_fields_from_args(args: argparse.Namespace) -> dict:
                 advertise_address=args.advertise_address, redis_url=args.redis_url,
                 metrics_port=args.metrics_port, lease_seconds=args.lease_seconds,
                 publish_interval=args.publish_interval, max_pending_requests=args.max_pending_requests,
-                engine_process=args.engine_process)
+                engine_process=args.engine_process, kvstore_shared_memory_mib=args.kvstore_shared_memory_mib)

@@ -245,7 +245,8 @@ async def serve_worker(cfg: WorkerConfig, make_worker: Callable[..., Worker]) ->
         from kvmesh.engine.async_engine import AsyncEngine
         from kvmesh.engine.engine import LLMEngine
         engine = AsyncEngine(await asyncio.to_thread(LLMEngine, cfg.engine))
-    kvstore = GrpcKVStoreClient(list(cfg.kvstore))
+    kvstore = GrpcKVStoreClient(list(cfg.kvstore), shared_memory_bytes=cfg.kvstore_shared_memory_mib << 20,
+                                block_bytes=engine.info.layout.block_bytes)
     index = make_index(cfg.redis_url)
     worker = make_worker(cfg, engine, kvstore, index)
     try:

@@ -74,12 +74,13 @@ class Stack:
         common = dict(engine=_engine_config(self.kv_dtype), kvstore=(self.kvstore.address,), port=0,
                       publish_interval=0.01)
         cfg = cfg_cls(**common, **extra)
-        client = GrpcKVStoreClient([self.kvstore.address])
+        engine = AsyncEngine(await asyncio.to_thread(LLMEngine, cfg.engine))
+        client = GrpcKVStoreClient([self.kvstore.address], shared_memory_bytes=cfg.kvstore_shared_memory_mib << 20,
+                                   block_bytes=engine.info.layout.block_bytes)  # as serve_worker builds it
         self.clients.append(client)
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(self.spans))
-        w = cls(cfg, AsyncEngine(await asyncio.to_thread(LLMEngine, cfg.engine)), client, self.index,
-                tracer=provider.get_tracer("test"))
+        w = cls(cfg, engine, client, self.index, tracer=provider.get_tracer("test"))
         await w.start()
         self.workers.append(w)
         self.channels.append(grpc.aio.insecure_channel(w.address))
@@ -185,9 +186,12 @@ async def test_disaggregated_output_equals_single_process(stack: Stack):
     assert [b.hash for b in reply.blocks] == stack.hashes(prompt)
     assert {b.node for b in reply.blocks} == {stack.kvstore.address}
     assert reply.tail.num_tokens == 5 and reply.tail.dtype == "fp32"
-    # The prompt's blocks are in the store now (the decode worker pulled them from there).
+    # The prompt's blocks are in the store now (the decode worker pulled them from there), and they
+    # moved through the workers' shared memory (both on this host), not gRPC messages.
     present = await stack.clients[0].contains(stack.hashes(prompt))
     assert present == [True, True]
+    opened = set(stack.kvstore._servicer.segments._open)
+    assert {c._arena.name for c in stack.clients[:2]} <= opened and not any(c._no_shm for c in stack.clients)
 
 
 @pytest.mark.parametrize("stack", ["auto"], indirect=True)

@@ -18,6 +18,7 @@ from kvmesh.kvstore.block import StoredBlock
 from kvmesh.kvstore.chunks import GRPC_OPTIONS, assemble, batch_chunks, block_chunk_parts, decode_batch, unbatched
 from kvmesh.kvstore.malloc import tune_malloc
 from kvmesh.kvstore.rendezvous import node_for
+from kvmesh.kvstore.shm_arena import ShmArena
 from kvmesh.kvstore.store import BlockStore, PutResult
 from kvmesh.wire import kvmesh_pb2 as pb
 from kvmesh.wire import kvmesh_pb2_grpc as pb_grpc
@@ -103,8 +104,13 @@ class _Stub(pb_grpc.KVStoreStub):
 
 
 class GrpcKVStoreClient:
+    """`shared_memory_bytes` > 0: blocks move through a segment of that size in /dev/shm (`ShmArena`)
+    with the nodes that can open it (the same host), through gRPC messages with the others and
+    whenever the segment has no room for a call. A shared get reserves `block_bytes` a block (the
+    largest block seen, if larger; until one is known, gets use messages)."""
+
     def __init__(self, addresses: list[str], *, timeout: float = 30.0, retry_after: float = 5.0,
-                 chunk_bytes: int = CHUNK_BYTES) -> None:
+                 chunk_bytes: int = CHUNK_BYTES, shared_memory_bytes: int = 0, block_bytes: int = 0) -> None:
         if not addresses:
             raise ValueError("GrpcKVStoreClient: addresses is empty (pass at least one kvstore host:port)")
         tune_malloc()  # 1 MiB messages: keep freed buffers for reuse (see malloc.py)
@@ -115,6 +121,9 @@ class GrpcKVStoreClient:
         self._channels = {a: grpc.aio.insecure_channel(a, options=GRPC_OPTIONS) for a in self.addresses}
         self._stubs = {a: _Stub(c) for a, c in self._channels.items()}
         self._dead_until: dict[str, float] = {}
+        self._arena = ShmArena.create(shared_memory_bytes) if shared_memory_bytes > 0 else None
+        self._no_shm: set[str] = set()  # nodes that could not open the segment
+        self._block_bytes = block_bytes  # what a shared get reserves a block: the largest seen
 
     # -- liveness ------------------------------------------------------------------------------
     def live_nodes(self) -> list[str]:
@@ -162,6 +171,11 @@ class GrpcKVStoreClient:
 
         async def call(node: str, idx: list[int]) -> list[None]:
             nonlocal held
+            reply = await self._put_shared(node, [blocks[i] for i in idx]) if self._shares(node) else None
+            if reply is not None:
+                held += reply.stored + reply.already_held
+                return [None] * len(idx)
+
             def chunks():
                 for i in idx:
                     yield from block_chunk_parts(blocks[i], self.chunk_bytes)
@@ -169,6 +183,7 @@ class GrpcKVStoreClient:
             held += reply.stored + reply.already_held
             return [None] * len(idx)
 
+        self._block_bytes = max([self._block_bytes] + [len(b.data) for b in blocks])
         await self._sharded([b.hash for b in blocks], call)
         return held
 
@@ -177,12 +192,17 @@ class GrpcKVStoreClient:
         async def call(node: str, idx: list[int]) -> list[StoredBlock | None]:
             req = pb.GetRequest(hashes=[hashes[i] for i in idx], lease_holder=lease_holder,
                                 lease_seconds=lease_seconds)
+            if self._shares(node) and self._block_bytes:
+                shared = await self._get_shared(node, req)
+                if shared is not None:
+                    return shared
             out: list[StoredBlock | None] = []
             async for header, data in assemble(unbatched(self._stubs[node].GetBatched(req, timeout=self.timeout))):
                 if data is None:
                     out.append(None)
                     continue
                 data = bytes(data)  # a view into the message (or the assembly buffer): own it
+                self._block_bytes = max(self._block_bytes, len(data))
                 block = StoredBlock(header.hash, list(header.token_ids), data, header.layout, crc32=header.crc32)
                 if checksum.crc32(data) != header.crc32:
                     raise BlockCorrupted(f"block {header.hash.hex()[:16]} from kvstore {node}: crc32 mismatch")
@@ -224,4 +244,74 @@ class GrpcKVStoreClient:
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self._channels.values()))
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+
+    # -- shared memory (one host) ----------------------------------------------------------------
+    def _shares(self, node: str) -> bool:
+        return self._arena is not None and node not in self._no_shm
+
+    def _shm_refused(self, node: str, exc: grpc.aio.AioRpcError) -> bool:
+        """Whether the call failed for want of the segment there (then never asked again)."""
+        if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+            return False
+        log.info("kvstore node %s cannot open this client's shared memory (%s); using gRPC messages", node,
+                 exc.details())
+        self._no_shm.add(node)
+        return True
+
+    async def _put_shared(self, node: str, blocks: list[StoredBlock]) -> pb.PutReply | None:
+        """PutShared, or None where the segment has no room or the node cannot open it."""
+        total = sum(len(b.data) for b in blocks)
+        start = self._arena.alloc(total)
+        if start is None:
+            return None
+        try:
+            refs, offset = [], start
+            for b in blocks:
+                n = len(b.data)
+                self._arena.view(offset, n)[:] = b.data
+                refs.append(pb.SharedBlock(offset=offset, header=pb.BlockHeader(
+                    hash=b.hash, size=n, crc32=b.checksum(), layout=b.layout, token_ids=b.token_ids)))
+                offset += n
+            return await self._stubs[node].PutShared(pb.SharedPut(segment=self._arena.name, blocks=refs),
+                                                     timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            if self._shm_refused(node, exc):
+                return None
+            raise
+        finally:
+            self._arena.free(start, total)
+
+    async def _get_shared(self, node: str, req: pb.GetRequest) -> list[StoredBlock | None] | None:
+        """GetShared into a range reserved for the largest block seen, or None (then a GetBatched)."""
+        capacity = len(req.hashes) * self._block_bytes
+        start = self._arena.alloc(capacity)
+        if start is None:
+            return None
+        try:
+            reply = await self._stubs[node].GetShared(pb.SharedGet(
+                request=req, segment=self._arena.name, offset=start, capacity=capacity), timeout=self.timeout)
+            out: list[StoredBlock | None] = []
+            for ref in reply.blocks:
+                h = ref.header
+                if h.missing:
+                    out.append(None)
+                    continue
+                if not start <= ref.offset <= ref.offset + h.size <= start + capacity:
+                    raise ValueError(f"kvstore {node} put a block outside the range it was given")
+                data = bytes(self._arena.view(ref.offset, h.size))  # ours: the range is reused next
+                if checksum.crc32(data) != h.crc32:
+                    raise BlockCorrupted(f"block {h.hash.hex()[:16]} from kvstore {node}: crc32 mismatch")
+                out.append(StoredBlock(h.hash, list(h.token_ids), data, h.layout, crc32=h.crc32))
+            if len(out) != len(req.hashes):
+                raise ValueError(f"kvstore {node} answered {len(out)} blocks for {len(req.hashes)} hashes")
+            return out
+        except grpc.aio.AioRpcError as exc:
+            if self._shm_refused(node, exc) or exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                return None  # RESOURCE_EXHAUSTED: a block larger than any seen; the batched get learns it
+            raise
+        finally:
+            self._arena.free(start, capacity)
 

@@ -19,6 +19,7 @@ from kvmesh.kvstore.chunks import (GRPC_OPTIONS, StreamError, assemble, batch_ch
 from kvmesh.kvstore.config import KVStoreConfig
 from kvmesh.kvstore.malloc import tune_malloc
 from kvmesh.kvstore.publisher import IndexPublisher
+from kvmesh.kvstore.shm_segments import SegmentUnavailable, SharedSegments
 from kvmesh.kvstore.store import BlockStore, ChecksumError, PutResult
 from kvmesh.telemetry import Metrics, MetricsServer, start_metrics_server
 from kvmesh.wire import kvmesh_pb2 as pb
@@ -34,6 +35,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.store = store
         self.chunk_bytes = chunk_bytes
         self.metrics = metrics
+        self.segments = SharedSegments()  # clients' shared memory (PutShared / GetShared)
 
     def _timed(self, op: str):
         return self.metrics.time_transfer(op) if self.metrics is not None else contextlib.nullcontext()
@@ -72,18 +74,65 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     async def _get(self, request: pb.GetRequest):
         """Each chunk of the requested blocks, in order, as its wire pieces."""
-        hashes = list(request.hashes)
-        # Lease everything first: later blocks must survive while earlier ones stream.
-        self.store.lease(hashes, request.lease_holder, request.lease_seconds)
         with self._timed("get"):
-            # one copy of the blocks held in GPU memory, waited for off the event loop (BlockReads)
-            blocks = await self.store.get_many(hashes, request.lease_holder, request.lease_seconds).gather()
+            hashes, blocks = await self._read(request)
             for h, block in zip(hashes, blocks):
                 if block is None:
                     yield missing_chunk_parts(h)
                     continue
                 for parts in block_chunk_parts(block, self.chunk_bytes):
                     yield parts
+
+    async def _read(self, request: pb.GetRequest) -> tuple[list[bytes], list]:
+        """(hashes, blocks or None) of a get, leased first: later blocks must survive while earlier
+        ones stream. The blocks held in GPU memory come in one copy, waited for off the event loop."""
+        hashes = list(request.hashes)
+        self.store.lease(hashes, request.lease_holder, request.lease_seconds)
+        return hashes, await self.store.get_many(hashes, request.lease_holder, request.lease_seconds).gather()
+
+    async def PutShared(self, request: pb.SharedPut, context: grpc.aio.ServicerContext) -> pb.PutReply:
+        counts = {r: 0 for r in PutResult}
+        try:
+            with self._timed("put"):
+                for b in request.blocks:
+                    h = b.header
+                    if not h.hash:
+                        raise StreamError("PutShared: a block header has an empty hash")
+                    with self.segments.view(request.segment, b.offset, h.size) as data:
+                        counts[self.store.put(h.hash, data, h.token_ids, h.layout, h.crc32)] += 1
+        except SegmentUnavailable as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except ChecksumError as exc:
+            await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+        except ValueError as exc:  # a range outside the segment, another name, an oversized block
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.PutReply(stored=counts[PutResult.STORED], already_held=counts[PutResult.ALREADY_HELD],
+                           rejected=counts[PutResult.REJECTED])
+
+    async def GetShared(self, request: pb.SharedGet, context: grpc.aio.ServicerContext) -> pb.SharedBlocks:
+        out = []
+        try:
+            with self._timed("get"):
+                hashes, blocks = await self._read(request.request)
+                offset, end = request.offset, request.offset + request.capacity
+                for h, block in zip(hashes, blocks):
+                    if block is None:
+                        out.append(pb.SharedBlock(header=pb.BlockHeader(hash=h, missing=True)))
+                        continue
+                    n = len(block.data)
+                    if offset + n > end:
+                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                            f"GetShared: the blocks need more than the {request.capacity} bytes given")
+                    with self.segments.view(request.segment, offset, n) as dst:
+                        dst[:] = block.data
+                    out.append(pb.SharedBlock(offset=offset, header=pb.BlockHeader(
+                        hash=h, size=n, crc32=block.checksum(), layout=block.layout, token_ids=block.token_ids)))
+                    offset += n
+        except SegmentUnavailable as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.SharedBlocks(blocks=out)
 
     async def Contains(self, request: pb.ContainsRequest, context) -> pb.ContainsReply:
         return pb.ContainsReply(present=self.store.contains(list(request.hashes)))
@@ -109,6 +158,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                                                                response_serializer=reply),
             "GetBatched": grpc.unary_stream_rpc_method_handler(
                 self.GetBatched, request_deserializer=pb.GetRequest.FromString, response_serializer=None),
+            "PutShared": grpc.unary_unary_rpc_method_handler(
+                self.PutShared, request_deserializer=pb.SharedPut.FromString, response_serializer=reply),
+            "GetShared": grpc.unary_unary_rpc_method_handler(
+                self.GetShared, request_deserializer=pb.SharedGet.FromString, response_serializer=reply),
             "Contains": grpc.unary_unary_rpc_method_handler(
                 self.Contains, request_deserializer=pb.ContainsRequest.FromString, response_serializer=reply),
             "Release": grpc.unary_unary_rpc_method_handler(
@@ -128,6 +181,7 @@ class KVStoreServer:
         self.index = index if index is not None else make_index(cfg.redis_url)
         self._owns_index = index is None
         self._server: grpc.aio.Server | None = None
+        self._servicer: KVStoreServicer | None = None
         self._health = health.aio.HealthServicer()
         self.publisher: IndexPublisher | None = None
         self.port: int | None = None
@@ -143,7 +197,7 @@ class KVStoreServer:
     async def start(self) -> int:
         tune_malloc()
         server = grpc.aio.server(options=GRPC_OPTIONS + [("grpc.so_reuseport", 0)])
-        servicer = KVStoreServicer(self.store, self.cfg.chunk_bytes, self.metrics)
+        servicer = self._servicer = KVStoreServicer(self.store, self.cfg.chunk_bytes, self.metrics)
         server.add_generic_rpc_handlers((servicer.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         self.port = server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
@@ -180,6 +234,7 @@ class KVStoreServer:
         await self._health.enter_graceful_shutdown()
         await self._server.stop(grace)
         self._server = None
+        self._servicer.segments.close()
         if self._metrics_task is not None:
             self._metrics_task.cancel()
             await self.metrics_server.close()

@@ -36,6 +36,40 @@ class ChunkBatch(_message.Message):
     chunks: _containers.RepeatedCompositeFieldContainer[BlockChunk]
     def __init__(self, chunks: _Optional[_Iterable[_Union[BlockChunk, _Mapping]]] = ...) -> None: ...
 
+class SharedBlock(_message.Message):
+    __slots__ = ("header", "offset")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    header: BlockHeader
+    offset: int
+    def __init__(self, header: _Optional[_Union[BlockHeader, _Mapping]] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class SharedPut(_message.Message):
+    __slots__ = ("segment", "blocks")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    segment: str
+    blocks: _containers.RepeatedCompositeFieldContainer[SharedBlock]
+    def __init__(self, segment: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[SharedBlock, _Mapping]]] = ...) -> None: ...
+
+class SharedGet(_message.Message):
+    __slots__ = ("request", "segment", "offset", "capacity")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    request: GetRequest
+    segment: str
+    offset: int
+    capacity: int
+    def __init__(self, request: _Optional[_Union[GetRequest, _Mapping]] = ..., segment: _Optional[str] = ..., offset: _Optional[int] = ..., capacity: _Optional[int] = ...) -> None: ...
+
+class SharedBlocks(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[SharedBlock]
+    def __init__(self, blocks: _Optional[_Iterable[_Union[SharedBlock, _Mapping]]] = ...) -> None: ...
+
 class PutReply(_message.Message):
     __slots__ = ("stored", "already_held", "rejected")
     STORED_FIELD_NUMBER: _ClassVar[int]

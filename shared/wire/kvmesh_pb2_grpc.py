@@ -57,6 +57,16 @@ class KVStoreStub:
                 request_serializer=kvmesh__pb2.GetRequest.SerializeToString,
                 response_deserializer=kvmesh__pb2.ChunkBatch.FromString,
                 _registered_method=True)
+        self.PutShared = channel.unary_unary(
+                '/kvmesh.v1.KVStore/PutShared',
+                request_serializer=kvmesh__pb2.SharedPut.SerializeToString,
+                response_deserializer=kvmesh__pb2.PutReply.FromString,
+                _registered_method=True)
+        self.GetShared = channel.unary_unary(
+                '/kvmesh.v1.KVStore/GetShared',
+                request_serializer=kvmesh__pb2.SharedGet.SerializeToString,
+                response_deserializer=kvmesh__pb2.SharedBlocks.FromString,
+                _registered_method=True)
         self.Contains = channel.unary_unary(
                 '/kvmesh.v1.KVStore/Contains',
                 request_serializer=kvmesh__pb2.ContainsRequest.SerializeToString,
@@ -109,6 +119,21 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutShared(self, request, context):
+        """Same host only: the blocks' bytes lie in a shared-memory segment the client owns, and the call
+        carries headers and offsets. A server that cannot open the segment (another host, another
+        container) answers FAILED_PRECONDITION, and the client goes back to the batched calls.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetShared(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Contains(self, request, context):
         """Which of these blocks are held. Never renews a lease.
         """
@@ -151,6 +176,16 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.GetBatched,
                     request_deserializer=kvmesh__pb2.GetRequest.FromString,
                     response_serializer=kvmesh__pb2.ChunkBatch.SerializeToString,
+            ),
+            'PutShared': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutShared,
+                    request_deserializer=kvmesh__pb2.SharedPut.FromString,
+                    response_serializer=kvmesh__pb2.PutReply.SerializeToString,
+            ),
+            'GetShared': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetShared,
+                    request_deserializer=kvmesh__pb2.SharedGet.FromString,
+                    response_serializer=kvmesh__pb2.SharedBlocks.SerializeToString,
             ),
             'Contains': grpc.unary_unary_rpc_method_handler(
                     servicer.Contains,
@@ -279,6 +314,60 @@ class KVStore:
             '/kvmesh.v1.KVStore/GetBatched',
             kvmesh__pb2.GetRequest.SerializeToString,
             kvmesh__pb2.ChunkBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutShared(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.KVStore/PutShared',
+            kvmesh__pb2.SharedPut.SerializeToString,
+            kvmesh__pb2.PutReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetShared(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.KVStore/GetShared',
+            kvmesh__pb2.SharedGet.SerializeToString,
+            kvmesh__pb2.SharedBlocks.FromString,
             options,
             channel_credentials,
             insecure,
