@@ -131,3 +131,17 @@ async def test_server_checks_names_ranges_and_checksums(node):
     finally:
         node._servicer.segments.close()  # the server's mapping, before the segment goes
         arena.close()
+
+
+async def test_a_gone_clients_segment_is_closed_when_a_new_one_opens(node):
+    first = GrpcKVStoreClient([node.address], shared_memory_bytes=1 << 20)
+    assert await first.put(blocks(1, 10_000)) == 1
+    name = first._arena.name
+    assert list(node._servicer.segments._open) == [name]
+    await first.close()  # a worker that stopped (or restarted): its segment is unlinked
+    second = GrpcKVStoreClient([node.address], shared_memory_bytes=1 << 20)
+    try:
+        assert await second.put(blocks(1, 10_000)) == 1
+        assert list(node._servicer.segments._open) == [second._arena.name]  # the old mapping went
+    finally:
+        await second.close()

@@ -1,8 +1,10 @@
 """SharedSegments: the clients' shared-memory segments a kvstore server reads puts from and writes
 gets into (`PutShared`, `GetShared`), each opened once by name.
 
-Only "kvmesh-" names are opened, every range is checked against its segment's size, and past `limit`
-segments the least recently used is closed (a client that went away unlinked its own). A segment
+Only "kvmesh-" names are opened and every range is checked against its segment's size. Whenever a
+new segment is opened, those whose client went away (it unlinked its segment, or its resource
+tracker did) are closed, so a restarted worker's old segment does not stay mapped; past `limit` the
+least recently used goes too. A segment
 that cannot be opened (the client is on another host or in another container) raises
 `SegmentUnavailable`: the server answers FAILED_PRECONDITION and the client falls back to the
 batched calls.
@@ -16,6 +18,9 @@ from collections import OrderedDict
 import _posixshmem  # what multiprocessing.shared_memory opens segments with
 
 from kvmesh.kvstore.shm_arena import PREFIX
+
+
+SHM_DIR = "/dev/shm"  # where Linux keeps shm_open's names
 
 
 class SegmentUnavailable(ValueError):
@@ -56,6 +61,8 @@ class SharedSegments:
             shm = _open(name)
         except OSError as e:
             raise SegmentUnavailable(f"cannot open shared-memory segment {name!r}: {e}") from e
+        for gone in [n for n in self._open if not os.path.exists(f"{SHM_DIR}/{n}")]:
+            self._close(self._open.pop(gone))
         self._open[name] = shm
         while len(self._open) > self.limit:
             self._close(self._open.popitem(last=False)[1])
