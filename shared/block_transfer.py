@@ -120,12 +120,12 @@ class BlockTransfer:
             self.metrics.pushed(r)
         return r
 
-    async def _pull(self, engine: Any, hashes: Sequence[bytes], cache_salt: str, local) -> PullResult:
+    async def _pull(self, engine: Any, hashes: Sequence[bytes], cache_salt: str,
+                    local: Collection[bytes]) -> PullResult:
         start = time.perf_counter()
         want = [h for h in hashes if h not in local]
         if not want:
             return PullResult([], 0, 0, 0.0)
-        t_get = time.perf_counter()
         try:
             got = await self.kvstore.get(want, lease_holder=self.holder, lease_seconds=self.lease_seconds)
         except Exception as e:  # no store reachable: a cache miss, not a failed request
@@ -152,7 +152,7 @@ class BlockTransfer:
                     log.warning("kvstore release of %d blocks failed: %s", len(leased), e)
         nbytes = sum(len(b.data) for b in usable)
         return PullResult([b.hash for b in usable], len(want) - chain_end, nbytes, time.perf_counter() - start,
-                          get_seconds=t_import - t_get, import_seconds=t_imported - t_import)
+                          get_seconds=t_import - start, import_seconds=t_imported - t_import)
 
     async def _push(self, blocks: Sequence[ExportedBlock], known: Collection[bytes]) -> PushResult:
         start = time.perf_counter()

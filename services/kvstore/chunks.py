@@ -104,11 +104,16 @@ def decode_chunk(raw: bytes | memoryview) -> Chunk:
     return header, data
 
 
+def block_header(block: StoredBlock) -> pb.BlockHeader:
+    """What travels ahead of a block's bytes, on every path (chunks, shared memory)."""
+    return pb.BlockHeader(hash=block.hash, size=len(block.data), crc32=block.checksum(), layout=block.layout,
+                          token_ids=block.token_ids)
+
+
 def block_chunk_parts(block: StoredBlock, chunk_bytes: int) -> Iterator[list]:
     """Each chunk of one block as its wire pieces (`_chunk_parts`), not yet joined."""
     data = block.data
-    header = pb.BlockHeader(hash=block.hash, size=len(data), crc32=block.checksum(), layout=block.layout,
-                            token_ids=block.token_ids)
+    header = block_header(block)
     view = memoryview(data)
     yield _chunk_parts(header, view[:chunk_bytes])
     for start in range(chunk_bytes, len(data), chunk_bytes):

@@ -15,7 +15,8 @@ import grpc
 
 from kvmesh.kvstore import checksum
 from kvmesh.kvstore.block import StoredBlock
-from kvmesh.kvstore.chunks import GRPC_OPTIONS, assemble, batch_chunks, block_chunk_parts, decode_batch, unbatched
+from kvmesh.kvstore.chunks import (GRPC_OPTIONS, assemble, batch_chunks, block_chunk_parts, block_header, decode_batch,
+                                   unbatched)
 from kvmesh.kvstore.malloc import tune_malloc
 from kvmesh.kvstore.rendezvous import node_for
 from kvmesh.kvstore.shm_arena import ShmArena
@@ -88,6 +89,13 @@ class LocalKVStoreClient:
 
     async def close(self) -> None:
         pass
+
+
+def _checked(node: str, header: pb.BlockHeader, data: bytes) -> StoredBlock:
+    """The block a get received, its bytes checked against the crc32 its header carries."""
+    if checksum.crc32(data) != header.crc32:
+        raise BlockCorrupted(f"block {header.hash.hex()[:16]} from kvstore {node}: crc32 mismatch")
+    return StoredBlock(header.hash, list(header.token_ids), data, header.layout, crc32=header.crc32)
 
 
 class _Stub(pb_grpc.KVStoreStub):
@@ -201,12 +209,9 @@ class GrpcKVStoreClient:
                 if data is None:
                     out.append(None)
                     continue
-                data = bytes(data)  # a view into the message (or the assembly buffer): own it
+                # a view into the message (or the assembly buffer): own it
+                out.append(_checked(node, header, bytes(data)))
                 self._block_bytes = max(self._block_bytes, len(data))
-                block = StoredBlock(header.hash, list(header.token_ids), data, header.layout, crc32=header.crc32)
-                if checksum.crc32(data) != header.crc32:
-                    raise BlockCorrupted(f"block {header.hash.hex()[:16]} from kvstore {node}: crc32 mismatch")
-                out.append(block)
             if len(out) != len(idx):
                 raise ValueError(f"kvstore {node} answered {len(out)} blocks for {len(idx)} hashes")
             return out
@@ -272,8 +277,7 @@ class GrpcKVStoreClient:
             for b in blocks:
                 n = len(b.data)
                 self._arena.view(offset, n)[:] = b.data
-                refs.append(pb.SharedBlock(offset=offset, header=pb.BlockHeader(
-                    hash=b.hash, size=n, crc32=b.checksum(), layout=b.layout, token_ids=b.token_ids)))
+                refs.append(pb.SharedBlock(offset=offset, header=block_header(b)))
                 offset += n
             return await self._stubs[node].PutShared(pb.SharedPut(segment=self._arena.name, blocks=refs),
                                                      timeout=self.timeout)
@@ -301,10 +305,7 @@ class GrpcKVStoreClient:
                     continue
                 if not start <= ref.offset <= ref.offset + h.size <= start + capacity:
                     raise ValueError(f"kvstore {node} put a block outside the range it was given")
-                data = bytes(self._arena.view(ref.offset, h.size))  # ours: the range is reused next
-                if checksum.crc32(data) != h.crc32:
-                    raise BlockCorrupted(f"block {h.hash.hex()[:16]} from kvstore {node}: crc32 mismatch")
-                out.append(StoredBlock(h.hash, list(h.token_ids), data, h.layout, crc32=h.crc32))
+                out.append(_checked(node, h, bytes(self._arena.view(ref.offset, h.size))))  # the range is reused next
             if len(out) != len(req.hashes):
                 raise ValueError(f"kvstore {node} answered {len(out)} blocks for {len(req.hashes)} hashes")
             return out

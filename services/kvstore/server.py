@@ -14,8 +14,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvmesh.index import PrefixIndex, make_index
-from kvmesh.kvstore.chunks import (GRPC_OPTIONS, StreamError, assemble, batch_chunks, block_chunk_parts, decode_batch,
-                                   decode_chunk, missing_chunk_parts, unbatched)
+from kvmesh.kvstore.chunks import (GRPC_OPTIONS, StreamError, assemble, batch_chunks, block_chunk_parts, block_header,
+                                   decode_batch, decode_chunk, missing_chunk_parts, unbatched)
 from kvmesh.kvstore.config import KVStoreConfig
 from kvmesh.kvstore.malloc import tune_malloc
 from kvmesh.kvstore.publisher import IndexPublisher
@@ -30,6 +30,14 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "kvmesh.v1.KVStore"
 
 
+async def _assembled(chunks):
+    """(header, data) of each block of a Put / PutBatched chunk stream (none may be flagged missing)."""
+    async for header, data in assemble(chunks):
+        if data is None:
+            raise StreamError(f"Put: block {header.hash.hex()[:16]} is flagged missing")
+        yield header, data
+
+
 class KVStoreServicer(pb_grpc.KVStoreServicer):
     def __init__(self, store: BlockStore, chunk_bytes: int, metrics: Metrics | None = None) -> None:
         self.store = store
@@ -41,24 +49,37 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return self.metrics.time_transfer(op) if self.metrics is not None else contextlib.nullcontext()
 
     async def Put(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PutReply:
-        return await self._put(request_iterator, context)
+        return await self._put(_assembled(request_iterator), context)
 
     async def PutBatched(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PutReply:
-        return await self._put(unbatched(request_iterator), context)
+        return await self._put(_assembled(unbatched(request_iterator)), context)
 
-    async def _put(self, chunks, context: grpc.aio.ServicerContext) -> pb.PutReply:
+    async def PutShared(self, request: pb.SharedPut, context: grpc.aio.ServicerContext) -> pb.PutReply:
+        return await self._put(self._shared(request), context)
+
+    async def _shared(self, request: pb.SharedPut):
+        """(header, view of its bytes in the client's segment) of each block of a PutShared; a view
+        is released once the block is stored."""
+        for b in request.blocks:
+            with self.segments.view(request.segment, b.offset, b.header.size) as data:
+                yield b.header, data
+
+    async def _put(self, blocks, context: grpc.aio.ServicerContext) -> pb.PutReply:
+        """Stores (header, data) pairs as they come; a bad one ends the call with its status."""
         counts = {r: 0 for r in PutResult}
         try:
             with self._timed("put"):
-                async for header, data in assemble(chunks):
-                    if data is None:
-                        raise StreamError(f"Put: block {header.hash.hex()[:16]} is flagged missing")
-                    if not header.hash:
-                        raise StreamError("Put: a block header has an empty hash")
-                    counts[self.store.put(header.hash, data, header.token_ids, header.layout, header.crc32)] += 1
+                async with contextlib.aclosing(blocks):
+                    async for header, data in blocks:
+                        if not header.hash:
+                            raise StreamError("Put: a block header has an empty hash")
+                        counts[self.store.put(header.hash, data, header.token_ids, header.layout,
+                                              header.crc32)] += 1
+        except SegmentUnavailable as exc:  # PutShared from another host or container
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ChecksumError as exc:
             await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
-        except ValueError as exc:  # StreamError, oversized block
+        except ValueError as exc:  # StreamError, oversized block, a range outside the segment, another name
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.PutReply(stored=counts[PutResult.STORED], already_held=counts[PutResult.ALREADY_HELD],
                            rejected=counts[PutResult.REJECTED])
@@ -90,25 +111,6 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.store.lease(hashes, request.lease_holder, request.lease_seconds)
         return hashes, await self.store.get_many(hashes, request.lease_holder, request.lease_seconds).gather()
 
-    async def PutShared(self, request: pb.SharedPut, context: grpc.aio.ServicerContext) -> pb.PutReply:
-        counts = {r: 0 for r in PutResult}
-        try:
-            with self._timed("put"):
-                for b in request.blocks:
-                    h = b.header
-                    if not h.hash:
-                        raise StreamError("PutShared: a block header has an empty hash")
-                    with self.segments.view(request.segment, b.offset, h.size) as data:
-                        counts[self.store.put(h.hash, data, h.token_ids, h.layout, h.crc32)] += 1
-        except SegmentUnavailable as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except ChecksumError as exc:
-            await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
-        except ValueError as exc:  # a range outside the segment, another name, an oversized block
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return pb.PutReply(stored=counts[PutResult.STORED], already_held=counts[PutResult.ALREADY_HELD],
-                           rejected=counts[PutResult.REJECTED])
-
     async def GetShared(self, request: pb.SharedGet, context: grpc.aio.ServicerContext) -> pb.SharedBlocks:
         out = []
         try:
@@ -125,8 +127,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                                             f"GetShared: the blocks need more than the {request.capacity} bytes given")
                     with self.segments.view(request.segment, offset, n) as dst:
                         dst[:] = block.data
-                    out.append(pb.SharedBlock(offset=offset, header=pb.BlockHeader(
-                        hash=h, size=n, crc32=block.checksum(), layout=block.layout, token_ids=block.token_ids)))
+                    out.append(pb.SharedBlock(offset=offset, header=block_header(block)))
                     offset += n
         except SegmentUnavailable as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))

@@ -58,8 +58,8 @@ def error_of(exc: BaseException) -> tuple[bool, str]:
 
 
 def pages_of(hashes: list[bytes], token_ids: list[list[int]], pages: bytes, own: bool = False) -> list[ExportedBlock]:
-    """Blocks over one buffer of pages back to back: views into it, or (own) a bytes object each
-    (what leaves for the kvstore's protobuf, which takes bytes only)."""
+    """Blocks over one buffer of pages back to back: views into it (an import, used before the
+    buffer goes), or (own) a bytes object each (an export's blocks, as `KVExport.blocks` gives them)."""
     size = len(pages) // max(1, len(hashes))
     src = pages if own else memoryview(pages)  # slicing bytes copies, slicing a view does not
     return [ExportedBlock(h, t, src[i * size:(i + 1) * size]) for i, (h, t) in enumerate(zip(hashes, token_ids))]
