@@ -3,7 +3,7 @@
     python3 benchmarks/serving.py [--topologies engine,colocated,disaggregated] [--kv-cache-dtype int4]
         [--requests 256] [--prompt-len 1024] [--new-tokens 128] [--spread 0.75] [--concurrency 0]
         [--kv-memory-mib 512] [--max-num-seqs 256] [--reps 2] [--device cuda] [--out table.md]
-        [--max-chunk-rates 5000] [--engine-process on,off] [--num-kvstore 1,2] [--trees base=/path/to/dir,new=]
+        [--max-chunk-rates 5000] [--engine-process on,off] [--engine-shared-memory-mib 256,0] [--num-kvstore 1,2] [--trees base=/path/to/dir,new=]
 
 What a user of the API gets next to what the engine could give on the same machine, the same load:
 - "engine": `LLM`'s engine in this process, every request added at once and stepped to the end
@@ -15,7 +15,7 @@ What a user of the API gets next to what the engine could give on the same machi
   worker through the kvstore).
 Each served topology runs a stack per --max-chunk-rates value, per --num-kvstore value and per
 --engine-process value (on: the workers' engines in processes of their own, the default; off: in a
-thread of the worker's process)
+thread of the worker's process), per --engine-shared-memory-mib value (this tree's stacks only)
 and per --trees entry (name=DIR: the stack's services import `kvmesh` from DIR, put first on their
 PYTHONPATH; an empty DIR: this process's `kvmesh`), so two versions of the code run side by side.
 Every setup gets the same pool bytes, flags and requests: prompts of random token ids and greedy
@@ -171,12 +171,22 @@ def histogram_totals(metrics_url: str, name: str = "time_to_first_token_seconds"
     return found["sum"], found["count"]
 
 
-def stage_totals(decode_url: str, prefill_url: str) -> list[tuple[float, float]]:
-    """The histograms a disaggregated request's TTFT is made of, beside the gateway's: the prefill
-    worker's TTFT and push, the decode worker's pull and, of it, the get and the import."""
-    moves = [(prefill_url, "push"), (decode_url, "pull"), (decode_url, "pull_get"), (decode_url, "pull_import")]
-    return [histogram_totals(prefill_url)] + [histogram_totals(url, "worker_transfer_seconds", f'op="{op}"')
-                                              for url, op in moves]
+def stage_totals(gateway_url: str, decode_url: str, prefill_url: str) -> list[tuple[float, float]]:
+    """The histograms a disaggregated request's TTFT is made of, beside the gateway's TTFT: the
+    gateway's Prefill call; in it, the prefill worker's TTFT, its wait for the pages to leave the
+    engine (export) and its push; then the decode worker's pull and, of it, the get and the import."""
+    moves = [(prefill_url, "export"), (prefill_url, "push"), (decode_url, "pull"), (decode_url, "pull_get"),
+             (decode_url, "pull_import")]
+    return ([histogram_totals(gateway_url, "prefill_call_seconds"), histogram_totals(prefill_url)]
+            + [histogram_totals(url, "worker_transfer_seconds", f'op="{op}"') for url, op in moves]
+            + [counter_total(prefill_url, "worker_exports_total", f'path="{p}"') for p in ("shared_memory", "pipe")])
+
+
+def counter_total(metrics_url: str, name: str, label: str) -> float:
+    """A service's counter `kvmesh:<name>` summed over its series with `label` (0 if it has none)."""
+    pattern = re.compile(rf'^kvmesh:{name}(\{{[^}}]*\}})?\s+([0-9.e+-]+)$', re.M)
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        return sum(float(v) for labels, v in pattern.findall(resp.read().decode()) if label in labels)
 
 
 def mean_ttft_ms(before: tuple[float, float], after: tuple[float, float]) -> float:
@@ -231,6 +241,8 @@ def main() -> None:
                     help="the decode worker's --max-chunk-rate, a row (and a stack) for each")
     ap.add_argument("--engine-process", default="on",
                     help="on, off or on,off: the workers' engines in processes of their own, a stack for each")
+    ap.add_argument("--engine-shared-memory-mib", default="",
+                    help="e.g. 256,0: a stack for each (the working tree's stacks only; default: the workers' own)")
     ap.add_argument("--num-kvstore", default="1", help="kvstore nodes, e.g. 1,2: a stack for each")
     ap.add_argument("--trees", default="",
                     help="name=DIR,...: a stack per source tree (DIR holds the kvmesh package; empty: this one's)")
@@ -264,17 +276,21 @@ def main() -> None:
                 setups[name] = lambda ld, r, eng=eng: engine_row(eng, ld, a.device, f"r{r}")
                 continue
             trees = [t.split("=", 1) for t in a.trees.split(",")] if a.trees else [("", "")]
-            for rate, proc, nodes, (tree, src) in ((r, p, n, t) for r in a.max_chunk_rates.split(",")
-                                                   for p in a.engine_process.split(",")
-                                                   for n in a.num_kvstore.split(",") for t in trees):
+            # --engine-shared-memory-mib reaches this tree's stacks only (other trees may not know it)
+            shm_values = a.engine_shared_memory_mib.split(",") if a.engine_shared_memory_mib else [""]
+            for rate, proc, nodes, (tree, src), shm in (
+                    (r, p, n, t, m) for r in a.max_chunk_rates.split(",") for p in a.engine_process.split(",")
+                    for n in a.num_kvstore.split(",") for t in trees for m in (shm_values if not t[1] else [""])):
                 metrics_port, prefill_port = free_port(), free_port()
-                where = "--engine-process" if proc == "on" else "--no-engine-process"
+                where = ("--engine-process",) if proc == "on" else ("--no-engine-process",)
+                if shm:
+                    where += ("--engine-shared-memory-mib", shm)
                 cfg = StackConfig(model=model, kv_cache_dtype=a.kv_cache_dtype, port=0,
                                   engine_flags=engine_flags(a, longest), num_prefill=TOPOLOGIES[name],
                                   num_kvstore=int(nodes),
                                   log_level="warning", extra_args=(("decode", (
-                                      "--max-chunk-rate", rate, "--metrics-port", str(metrics_port), where)),
-                                      ("prefill", (where, "--metrics-port", str(prefill_port)))))
+                                      "--max-chunk-rate", rate, "--metrics-port", str(metrics_port), *where)),
+                                      ("prefill", (*where, "--metrics-port", str(prefill_port)))))
                 stack = _start_from(src, cfg)
                 stacks.append(stack)
                 mid = asyncio.run(_model_id(stack.url))
@@ -283,16 +299,19 @@ def main() -> None:
                 def run(ld, r, url=stack.url, mid=mid, metrics=f"http://127.0.0.1:{metrics_port}/metrics",
                         prefill=f"http://127.0.0.1:{prefill_port}/metrics" if TOPOLOGIES[name] else ""):
                     before, gw0, wk0 = preemptions(metrics), histogram_totals(url + "/metrics"), histogram_totals(metrics)
-                    st0 = stage_totals(metrics, prefill) if prefill else []
+                    st0 = stage_totals(url + "/metrics", metrics, prefill) if prefill else []
                     row = served_row(*clients.burst(url, mid, ld, a.concurrency), ld)
-                    st1 = stage_totals(metrics, prefill) if prefill else []
-                    stages = [mean_ttft_ms(s0, s1) for s0, s1 in zip(st0, st1)]
+                    st1 = stage_totals(url + "/metrics", metrics, prefill) if prefill else []
+                    stages = [mean_ttft_ms(s0, s1) for s0, s1 in zip(st0[:-2], st1[:-2])]
+                    shared = [x1 - x0 for x0, x1 in zip(st0[-2:], st1[-2:])] if prefill else []
                     return dict(row, preemptions=preemptions(metrics) - before, stages=stages,
+                                shared_exports="%.0f of %.0f" % (shared[0], sum(shared)) if shared else "-",
                                 ttft_means=(sum(row["ttft"]) / len(row["ttft"]) * 1e3,
                                             mean_ttft_ms(gw0, histogram_totals(url + "/metrics")),
                                             mean_ttft_ms(wk0, histogram_totals(metrics))))
                 setups[f"{name}, chunk rate {rate}, engine process {proc}"
-                       + (f", {nodes} kvstores" if nodes != "1" else "") + (f", {tree}" if tree else "")] = run
+                       + (f", {nodes} kvstores" if nodes != "1" else "") + (f", {tree}" if tree else "")
+                       + (f", engine shm {shm} MiB" if shm else "")] = run
         best: dict[str, dict] = {}
         order = list(setups.items())
         for r, ld in enumerate(loads):
@@ -305,8 +324,9 @@ def main() -> None:
                 means = row.get("ttft_means")
                 split = (" (TTFT mean ms: client %.0f, gateway %.0f, decode worker %.0f)" % means) if means else ""
                 if row.get("stages"):
-                    split += (" (mean ms: prefill worker TTFT %.0f, push %.0f; decode worker pull %.0f: get %.0f,"
-                              " import %.0f)" % tuple(row["stages"]))
+                    split += (" (mean ms: gateway's prefill call %.0f: prefill worker TTFT %.0f, export %.0f,"
+                              " push %.0f; decode worker pull %.0f: get %.0f, import %.0f)" % tuple(row["stages"]))
+                    split += " (exports through shared memory: %s)" % row["shared_exports"]
                 print(f"round {r} {name}: {row['tokens_s']:.0f} tokens/s{split}", flush=True)
                 if name not in best or row["tokens_s"] > best[name]["tokens_s"]:
                     best[name] = row

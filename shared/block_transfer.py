@@ -64,8 +64,11 @@ class TransferMetrics:
         self.bytes = Counter(PREFIX + "worker_transfer_bytes", "KV page bytes moved to/from the kvstore.",
                              ["op"], registry=registry)
         self.seconds = Histogram(PREFIX + "worker_transfer_seconds",
-                                 "One pull (get+import+release), its get (pull_get) and import (pull_import), or push.",
+                                 "One pull (get+import+release), its get (pull_get) and import (pull_import), a push, "
+                                 "or the wait for a finished prompt's pages to leave the engine (export).",
                                  ["op"], buckets=TRANSFER_BUCKETS, registry=registry)
+        self.exports = Counter(PREFIX + "worker_exports", "Finished prompts' KV exports from the engine process, "
+                               "by the way their pages came (shared_memory | pipe).", ["path"], registry=registry)
         self.errors = Counter(PREFIX + "worker_transfer_errors", "kvstore calls that failed (recomputed).",
                               ["op"], registry=registry)
 
@@ -80,6 +83,10 @@ class TransferMetrics:
             self.seconds.labels("pull_import").observe(r.import_seconds)
         if r.error:
             self.errors.labels("pull").inc()
+
+    def exported(self, seconds: float, shared: bool) -> None:
+        self.seconds.labels("export").observe(seconds)
+        self.exports.labels("shared_memory" if shared else "pipe").inc()
 
     def pushed(self, r: "PushResult") -> None:
         self.blocks.labels("pushed").inc(r.stored)
@@ -163,7 +170,7 @@ class BlockTransfer:
                 todo = [b for b, p in zip(todo, present) if not p]
             if todo:
                 await self.kvstore.put([StoredBlock(hash=b.hash, token_ids=list(b.token_ids), data=b.data,
-                                                    layout=self.layout_id) for b in todo])
+                                                    layout=self.layout_id, shared=b.shared) for b in todo])
         except Exception as e:  # the store is advisory for correctness: readers recompute
             log.warning("kvstore put of %d blocks failed: %s", len(todo), e)
             return PushResult(0, 0, time.perf_counter() - start, error=str(e))

@@ -59,6 +59,10 @@ class WorkerConfig:
     kvstore_shared_memory_mib: int = 64
     """--kvstore-shared-memory-mib: a segment of /dev/shm through which blocks move to and from the
     kvstore nodes on this host (the others, and calls it has no room for, use gRPC messages); 0 = off."""
+    engine_shared_memory_mib: int = 256
+    """--engine-shared-memory-mib: two segments of /dev/shm (half each) through which the engine
+    process hands exported pages to the worker and takes imported ones (a transfer they have no
+    room for, or 0 = off, goes through the pipes)."""
 
     def __post_init__(self) -> None:
         if not self.kvstore:
@@ -79,6 +83,8 @@ class WorkerConfig:
             raise ValueError(f"--max-pending-requests must be >= 0, got {self.max_pending_requests}")
         if self.kvstore_shared_memory_mib < 0:
             raise ValueError(f"--kvstore-shared-memory-mib must be >= 0, got {self.kvstore_shared_memory_mib}")
+        if self.engine_shared_memory_mib < 0:
+            raise ValueError(f"--engine-shared-memory-mib must be >= 0, got {self.engine_shared_memory_mib}")
 
     def holder(self, bound_port: int) -> str:
         """The name this worker publishes in the index: --advertise-address or host:bound port."""
@@ -109,6 +115,8 @@ def add_worker_args(parser: argparse.ArgumentParser, default_port: int) -> argpa
                    help="run the engine in a process of its own (default) or in a thread of the worker's")
     g.add_argument("--kvstore-shared-memory-mib", type=int, default=d.kvstore_shared_memory_mib,
                    help="MiB of /dev/shm for block moves with kvstore nodes on this host (0 = gRPC only)")
+    g.add_argument("--engine-shared-memory-mib", type=int, default=d.engine_shared_memory_mib,
+                   help="MiB of /dev/shm for pages between the worker and its engine process (0 = pipes only)")
     return parser
 
 
@@ -119,4 +127,5 @@ def worker_fields_from_args(args: argparse.Namespace) -> dict:
                 advertise_address=args.advertise_address, redis_url=args.redis_url,
                 metrics_port=args.metrics_port, lease_seconds=args.lease_seconds,
                 publish_interval=args.publish_interval, max_pending_requests=args.max_pending_requests,
-                engine_process=args.engine_process, kvstore_shared_memory_mib=args.kvstore_shared_memory_mib)
+                engine_process=args.engine_process, kvstore_shared_memory_mib=args.kvstore_shared_memory_mib,
+                engine_shared_memory_mib=args.engine_shared_memory_mib)

@@ -157,7 +157,7 @@ class WorkerRuntime:
     # -- prefix-cache events --------------------------------------------------------------------
     def known_blocks(self) -> set[bytes]:
         """Hashes this worker's engine held as of its last event drain: the publish tick drains every
-        --publish-interval (50 ms by default), a prefill worker after each push too. A request's
+        --publish-interval (50 ms by default). A request's
         pull reads this and does not wait for a fresh drain, which waits for the engine's step
         boundary and behind its queued commands (in a burst of 256 disaggregated prompts on the
         H200, 0.35-0.47 s of a 0.7-1.0 s pull). A stale view costs at most a page fetched again
@@ -239,7 +239,7 @@ async def serve_worker(cfg: WorkerConfig, make_worker: Callable[..., Worker]) ->
 
     if cfg.engine_process:
         from kvmesh.engine.engine_process import EngineProcess
-        engine = EngineProcess(cfg.engine)
+        engine = EngineProcess(cfg.engine, shared_memory_bytes=cfg.engine_shared_memory_mib << 20)
         await engine.start()  # the model loads in that process; its identity is known after this
     else:
         from kvmesh.engine.async_engine import AsyncEngine

@@ -26,9 +26,11 @@ def test_worker_flags_build_engine_config():
     cfg = _parse(decode_config, ["--kvstore", "a:1,b:2", "--kvstore", "c:3", "--kv-cache-dtype", "fp8",
                                  "--block-size", "32", "--kv-cache-memory", "64M", "--no-enable-prefix-caching",
                                  "--index-url", "redis://localhost:6379", "--max-num-seqs", "7",
-                                 "--port", "0", "--metrics-port", "0", "--no-engine-process"])
+                                 "--port", "0", "--metrics-port", "0", "--no-engine-process",
+                                 "--engine-shared-memory-mib", "1024"])
     assert cfg.kvstore == ("a:1", "b:2", "c:3")
     assert cfg.engine_process is False
+    assert cfg.engine_shared_memory_mib == 1024
     assert cfg.engine.cache.kv_cache_dtype == "fp8"
     assert cfg.engine.cache.block_size == 32
     assert cfg.engine.cache.kv_cache_memory == 64 << 20
@@ -40,6 +42,9 @@ def test_worker_flags_build_engine_config():
     assert pcfg.port == prefill_config.DEFAULT_PORT and pcfg.holder(1) == "pf:70"
     assert pcfg.engine.cache.enable_prefix_caching is True
     assert pcfg.engine_process is True  # the default: each worker's engine in a process of its own
+    assert pcfg.engine_shared_memory_mib == 256
+    with pytest.raises(ValueError, match="--engine-shared-memory-mib"):
+        _parse(prefill_config, ["--kvstore", "k:9", "--engine-shared-memory-mib", "-1"])
 
 
 def test_environment_defaults_and_command_line_override():

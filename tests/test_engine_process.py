@@ -31,8 +31,8 @@ def config(model: str) -> EngineConfig:
                         scheduler=SchedulerConfig(max_num_batched_tokens=32))
 
 
-async def started(model: str) -> EngineProcess:
-    ep = EngineProcess(config(model))
+async def started(model: str, shared_memory_bytes: int = 0) -> EngineProcess:
+    ep = EngineProcess(config(model), shared_memory_bytes=shared_memory_bytes)
     await ep.start()
     return ep
 
@@ -124,19 +124,22 @@ async def test_errors_cross_as_their_kind_and_a_closed_stream_aborts(model_dir):
         await ep.call("stats")
 
 
-async def test_kv_export_import_and_resume_across_processes(model_dir):
+@pytest.mark.parametrize("shared", [0, 8 << 20], ids=["pipes", "shared-memory"])
+async def test_kv_export_import_and_resume_across_processes(model_dir, shared):
     prompt = random_prompts(1, 37, 37, seed=3)[0]
     local = LLMEngine(config(model_dir))
     local.add_request("q", prompt, SamplingParams(temperature=0.0, max_tokens=1), export_kv=True)
     while local.has_unfinished():
         outs = local.step()
     want = outs[-1].kv_export
-    a, b = await started(model_dir), await started(model_dir)
+    a, b = await started(model_dir, shared), await started(model_dir, shared)
     try:
         pre = [o async for o in a.generate("q", prompt, SamplingParams(temperature=0.0, max_tokens=1),
                                            export_kv=True)][-1]
         exp = pre.kv_export
         await asyncio.to_thread(exp.ready)
+        # with segments the pages are views into the exports segment, else bytes off the pipe
+        assert all(isinstance(x.data, memoryview if shared else bytes) for x in exp.blocks)
         assert [(x.hash, x.token_ids, len(x.data)) for x in exp.blocks] == \
             [(x.hash, x.token_ids, len(x.data)) for x in want.blocks]
         assert (exp.tail_tokens, exp.tail_dtype) == (want.tail_tokens, want.tail_dtype)
@@ -149,6 +152,8 @@ async def test_kv_export_import_and_resume_across_processes(model_dir):
         with pytest.raises(ValueError, match="must be bytes"):  # refused before the pipe's writer sees it
             await b.import_blocks([ExportedBlock(exp.blocks[0].hash, exp.blocks[0].token_ids, "text")])
         assert await b.import_blocks(exp.blocks) == 2
+        if shared:  # the import's range is back once its result came
+            assert b._pages.imports.free_bytes == b._pages.imports.size
         assert [h for kind, h in await b.call("drain_kv_events") if kind == "stored"] == [x.hash for x in exp.blocks]
         params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
         out = [o async for o in b.generate("x", prompt, params, resume=ResumeState(
@@ -242,3 +247,82 @@ def test_an_export_settles_whichever_of_it_and_its_output_comes_first(export_fir
     ep._on_message(("outputs", [failing]))
     with pytest.raises(RuntimeError, match="copy failed"):
         delivered[-1].kv_export.ready()
+
+
+async def test_an_export_range_is_reused_once_released_and_a_full_segment_falls_back_to_the_pipe(model_dir):
+    """The exports segment holds one request's pages here: a second export while the first is
+    unreleased comes on the pipe (bytes); once both are released the next comes through the segment
+    again. The segments are gone from /dev/shm after stop."""
+    prompt = random_prompts(1, 37, 37, seed=4)[0]  # two full pages
+    page = LLMEngine(config(model_dir)).layout.block_bytes
+    ep = await started(model_dir, 2 * 3 * page)  # each segment 3 pages: one export of two fits
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+
+    async def export(rid: str):
+        exp = [o async for o in ep.generate(rid, prompt, params, export_kv=True)][-1].kv_export
+        return await asyncio.to_thread(exp.ready)
+
+    names = ep._pages.names
+    try:
+        first = await export("a")
+        second = await export("b")
+        assert all(isinstance(x.data, memoryview) for x in first.blocks)
+        assert all(isinstance(x.data, bytes) for x in second.blocks)  # no room: the pipe
+        assert [bytes(x.data) for x in first.blocks] == [x.data for x in second.blocks]  # same prompt, same pages
+        first.release()
+        second.release()  # an export off the pipe has no range: harmless
+        third = await export("c")
+        assert all(isinstance(x.data, memoryview) for x in third.blocks)
+        assert [bytes(x.data) for x in third.blocks] == [x.data for x in second.blocks]
+    finally:
+        await ep.stop()
+    assert not any(os.path.exists(f"/dev/shm/{n}") for n in (names.exports, names.imports))
+
+
+@pytest.mark.gpu
+def test_exports_land_in_the_page_locked_segment_on_a_gpu():
+    """SmolLM2 with INT4 KV on the GPU: the exported pages are copied from the pool straight into
+    the registered exports segment and equal the in-process engine's, bit for bit; imported
+    through the imports segment into a second engine process, they resume to the same tokens."""
+    import dataclasses
+
+    import torch
+
+    cfg = EngineConfig(model=os.environ.get("KVMESH_SMOLLM2_GGUF", "smollm2"), device="cuda", dtype="bf16",
+                       cache=CacheConfig(kv_cache_memory=64 << 20, kv_cache_dtype="int4"))
+    prompt = random_prompts(1, 200, 200, seed=6, vocab=30000)[0]
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    local = LLMEngine(cfg)
+    local.add_request("q", prompt, one, export_kv=True)
+    while local.has_unfinished():
+        outs = local.step()
+    want = outs[-1].kv_export.ready()
+    del local
+    torch.cuda.empty_cache()
+
+    async def main():
+        a, b = (EngineProcess(dataclasses.replace(cfg), shared_memory_bytes=64 << 20) for _ in range(2))
+        await a.start()
+        await b.start()
+        try:
+            pre = [o async for o in a.generate("q", prompt, one, export_kv=True)][-1]
+            exp = await asyncio.to_thread(pre.kv_export.ready)
+            assert all(isinstance(x.data, memoryview) for x in exp.blocks)  # through the segment
+            assert [bytes(x.data) for x in exp.blocks] == [x.data for x in want.blocks]
+            assert exp.tail == want.tail
+            assert await b.import_blocks(exp.blocks) == len(exp.blocks)
+            exp.release()
+            params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+            out = [o async for o in b.generate("x", prompt, params, resume=ResumeState(
+                pre.outputs[0].token_ids, exp.tail_tokens, exp.tail))][-1]
+            # the same resume where the pages were computed (INT4: a fresh prefill of the whole prompt
+            # attends to unquantized keys within its chunk, so only a resume is the same computation)
+            ref = [o async for o in a.generate("ref", prompt, params, resume=ResumeState(
+                pre.outputs[0].token_ids, exp.tail_tokens, exp.tail))][-1]
+            assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+            assert out.num_cached_tokens == len(prompt)
+        finally:
+            await a.stop()
+            await b.stop()
+
+    asyncio.run(main())

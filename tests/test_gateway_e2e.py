@@ -164,6 +164,9 @@ async def test_repeated_long_system_prompt_hits_cache(stack):
 
     assert value('kvmesh:router_decisions_total{model_name="smollm2",reason="hit"}') >= 1
     assert value("kvmesh:router_prefill_hops_total") >= 1  # the cold long prompt went through prefill
+    # every prefill hop is timed
+    assert value("kvmesh:prefill_call_seconds_count") == value("kvmesh:router_prefill_hops_total")
+    assert value("kvmesh:prefill_call_seconds_sum") > 0
     assert value("kvmesh:prefix_cache_hits_total") >= cached[1]
     assert value("kvmesh:router_predicted_hit_tokens_total") > 0
     assert value("kvmesh:router_actual_hit_tokens_total") >= cached[1]

@@ -14,7 +14,7 @@ from kvmesh.kvstore.chunks import GRPC_OPTIONS
 from kvmesh.kvstore.client import GrpcKVStoreClient, StoredBlock
 from kvmesh.kvstore.config import KVStoreConfig
 from kvmesh.kvstore.server import KVStoreServer
-from kvmesh.kvstore.shm_arena import ShmArena
+from kvmesh.shm_arena import ShmArena
 from kvmesh.wire import kvmesh_pb2 as pb
 from kvmesh.wire import kvmesh_pb2_grpc as pb_grpc
 
@@ -79,6 +79,27 @@ async def test_blocks_round_trip_through_shared_memory(node):
         await small.close()
     finally:
         await client.close()
+
+
+async def test_blocks_already_in_a_segment_are_named_not_copied(node):
+    """An engine process's exported pages lie in its exports segment: the put names that segment
+    and their offsets, and the client's own arena is not used."""
+    exports = ShmArena.create(1 << 20)
+    client = GrpcKVStoreClient([node.address], shared_memory_bytes=1 << 20)
+    bs = blocks(3, 100_000)
+    try:
+        for i in range(3):  # laid out at 4096, 104096, 204096
+            at = 4096 + i * 100_000
+            exports.view(at, 100_000)[:] = bs[i].data
+            bs[i].data, bs[i].shared = exports.view(at, 100_000), (exports.name, at)
+        assert await client.put(bs) == 3
+        assert list(node._servicer.segments._open) == [exports.name]  # not the client's arena
+        got = await client.get([b.hash for b in bs])
+        assert [g.data for g in got] == [bytes(x.data) for x in bs]
+    finally:
+        await client.close()
+        bs.clear()  # their views, before the segment closes
+        exports.close()
 
 
 async def test_a_node_that_cannot_open_the_segment_gets_messages(node):

@@ -173,10 +173,11 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     async def _push(self, export: Any, known: set[bytes]) -> None:
         try:
             await asyncio.to_thread(export.ready)  # the pages' copy from the device lands off the loop
-            await self.transfer.push(export.blocks, known=known)
-            await self.runtime.publish_events()
+            await self.transfer.push(export.blocks, known=known)  # the publish tick announces them
         except Exception:  # advisory: the next turn recomputes what did not land
             log.exception("decode: putting finished blocks to the kvstore failed")
+        finally:
+            export.release()
 
     @staticmethod
     def _cached_tokens(request: pb.GenerateRequest, out: Any) -> int:

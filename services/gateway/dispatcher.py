@@ -8,6 +8,7 @@ down and the choice is routed again; capacity errors become 429, bad input 400.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -191,8 +192,11 @@ class Dispatcher:
 
     async def _prefill(self, address: str, req: pb.PrefillRequest, queued: int) -> pb.PrefillReply:
         self.router.begin(address, queued)
+        start = time.perf_counter()
         try:
-            return await self.clients[address].prefill(req, timeout=self.timeout_s)
+            reply = await self.clients[address].prefill(req, timeout=self.timeout_s)
+            self.metrics.lab(self.metrics.prefill_call).observe(time.perf_counter() - start)
+            return reply
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 raise _WorkerDown(address, e) from None

@@ -50,6 +50,9 @@ class GatewayMetrics:
                              buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("kvmesh:e2e_request_latency_seconds", "Request latency end to end.", m,
                              buckets=E2E_BUCKETS, registry=r)
+        self.prefill_call = Histogram("kvmesh:prefill_call_seconds",
+                                      "Disaggregated requests: the prefill worker's call, sent to answered.", m,
+                                      buckets=TTFT_BUCKETS, registry=r)
         self.hit_error = Histogram("kvmesh:router_hit_prediction_error_tokens",
                                    "|predicted - actual| cached prompt tokens per request.", m,
                                    buckets=TOKEN_BUCKETS, registry=r)

@@ -18,6 +18,9 @@ class StoredBlock:
     """Layout id: model, kv dtype, block size, layers, heads, head_dim."""
     crc32: int | None = field(default=None, compare=False, repr=False)
     """zlib.crc32 of data when known (the store keeps it; None: compute on send)."""
+    shared: tuple[str, int] | None = field(default=None, compare=False, repr=False)
+    """(segment, offset) where `data` lies in a shared-memory segment of this host: a put over
+    shared memory names it instead of copying the bytes (an engine process's exported pages)."""
 
     def checksum(self) -> int:
         if self.crc32 is None:

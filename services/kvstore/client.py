@@ -19,7 +19,7 @@ from kvmesh.kvstore.chunks import (GRPC_OPTIONS, assemble, batch_chunks, block_c
                                    unbatched)
 from kvmesh.kvstore.malloc import tune_malloc
 from kvmesh.kvstore.rendezvous import node_for
-from kvmesh.kvstore.shm_arena import ShmArena
+from kvmesh.shm_arena import ShmArena
 from kvmesh.kvstore.store import BlockStore, PutResult
 from kvmesh.wire import kvmesh_pb2 as pb
 from kvmesh.wire import kvmesh_pb2_grpc as pb_grpc
@@ -267,7 +267,12 @@ class GrpcKVStoreClient:
         return True
 
     async def _put_shared(self, node: str, blocks: list[StoredBlock]) -> pb.PutReply | None:
-        """PutShared, or None where the segment has no room or the node cannot open it."""
+        """PutShared, or None where the segment has no room or the node cannot open it. Blocks that
+        already lie in one shared segment (`StoredBlock.shared`) are named where they are."""
+        segments = {b.shared[0] if b.shared else None for b in blocks}
+        if len(segments) == 1 and None not in segments:
+            refs = [pb.SharedBlock(offset=b.shared[1], header=block_header(b)) for b in blocks]
+            return await self._shared_put(node, pb.SharedPut(segment=segments.pop(), blocks=refs))
         total = sum(len(b.data) for b in blocks)
         start = self._arena.alloc(total)
         if start is None:
@@ -279,14 +284,17 @@ class GrpcKVStoreClient:
                 self._arena.view(offset, n)[:] = b.data
                 refs.append(pb.SharedBlock(offset=offset, header=block_header(b)))
                 offset += n
-            return await self._stubs[node].PutShared(pb.SharedPut(segment=self._arena.name, blocks=refs),
-                                                     timeout=self.timeout)
+            return await self._shared_put(node, pb.SharedPut(segment=self._arena.name, blocks=refs))
+        finally:
+            self._arena.free(start, total)
+
+    async def _shared_put(self, node: str, req: pb.SharedPut) -> pb.PutReply | None:
+        try:
+            return await self._stubs[node].PutShared(req, timeout=self.timeout)
         except grpc.aio.AioRpcError as exc:
             if self._shm_refused(node, exc):
                 return None
             raise
-        finally:
-            self._arena.free(start, total)
 
     async def _get_shared(self, node: str, req: pb.GetRequest) -> list[StoredBlock | None] | None:
         """GetShared into a range reserved for the largest block seen, or None (then a GetBatched)."""

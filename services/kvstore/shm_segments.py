@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 import _posixshmem  # what multiprocessing.shared_memory opens segments with
 
-from kvmesh.kvstore.shm_arena import PREFIX
+from kvmesh.shm_arena import PREFIX
 
 
 SHM_DIR = "/dev/shm"  # where Linux keeps shm_open's names

@@ -8,7 +8,9 @@ One Prefill call:
  3. puts the full blocks the kvstore lacks, so the decode worker can pull them;
  4. replies with the first token, every prompt block's handle (node = its rendezvous owner) and the
     partial last block in full precision.
-Local prefix-cache events are published to the index under this worker's address all along.
+Local prefix-cache events are published to the index under this worker's address by the runtime's
+publish tick (every --publish-interval), never on a request's path: a drain waits for the engine's
+step boundary, so one a reply serialized a burst's replies one engine step apart.
 """
 from __future__ import annotations
 
@@ -94,12 +96,18 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             self.metrics.time_to_first_token_seconds.observe(ttft)
 
             export = final.kv_export
+            waited = time.perf_counter()
             await asyncio.to_thread(export.ready)  # the pages' copy from the device lands off the loop
+            if self.transfer.metrics:
+                self.transfer.metrics.exported(time.perf_counter() - waited,
+                                               shared=bool(export.blocks) and export.blocks[0].shared is not None)
             known = set(pulled.imported)  # the rest: asked with Contains (refs may have been stale)
             # The decode worker pulls these next: they must be in the store before the reply.
-            pushed = await self.transfer.push(export.blocks, known=known)
+            try:
+                pushed = await self.transfer.push(export.blocks, known=known)
+            finally:
+                export.release()  # the pages' shared range, if they came through one
             span.set_attribute("kvmesh.pushed_blocks", pushed.stored)
-            await self.runtime.publish_events()
 
             # Handles name the node the put went to: the rendezvous owner among the live nodes.
             live = self.transfer.kvstore.live_nodes() if hasattr(self.transfer.kvstore, "live_nodes") else []

@@ -9,7 +9,7 @@ before it is read back, and that step's stop checks and outputs run while the GP
 from __future__ import annotations
 
 import itertools
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -64,6 +64,9 @@ class LLMEngine:
             else self.runner.graphs is not None
         self._inflight: Optional[InFlightStep] = None
         self._async_steps = 0
+        self.export_space: Optional[Any] = None
+        """Host memory exports land in where it has room (`take(nbytes)` -> (offset, uint8 tensor) or
+        None): the engine process's exports segment (`page_segments.CorePages`); None: pinned buffers."""
 
     # ---- identity ----
     def hash_context(self, cache_salt: str = "") -> HashContext:
@@ -361,9 +364,16 @@ class LLMEngine:
     def _export(self, seq: Sequence) -> KVExport:
         bs = self.layout.block_size
         full = seq.num_computed_tokens // bs
-        copy = self.runner.cache.copy_out(seq.block_ids[:full], seq.residual_slot)  # no wait for the device
-        return KVExport(seq.block_hashes[:full], [seq.token_ids[b * bs:(b + 1) * bs] for b in range(full)],
-                        seq.num_computed_tokens % bs, self.runner.dtype_name, copy)
+        cache, space = self.runner.cache, self.export_space
+        sizes = (full * self.layout.block_bytes, cache.slot_bytes)  # the pages, then the tail
+        taken = space.take(sum(sizes)) if space is not None and full else None
+        copy = cache.copy_out(seq.block_ids[:full], seq.residual_slot,  # no wait for the device
+                              into=taken[1] if taken else None)
+        export = KVExport(seq.block_hashes[:full], [seq.token_ids[b * bs:(b + 1) * bs] for b in range(full)],
+                          seq.num_computed_tokens % bs, self.runner.dtype_name, copy)
+        if taken:
+            export.shared_range = (taken[0], *sizes)
+        return export
 
     def _output(self, req: Request) -> RequestOutput:
         finished = req.finished  # a scan of the request's sequences: once (every request, every step)

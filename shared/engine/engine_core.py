@@ -8,30 +8,37 @@ helper thread takes part, because a thread that wakes for every message waits fo
 a served step took 9.7 ms (TPOT p50) where it now takes 4.0, and a resumed request's import waited
 seconds (docs/benchmarks.md, "Thirty-second session"). On the second pipe an exporter thread waits for each finished
 request's KV pages to land in host memory and sends them raw, so the step loop never writes
-megabytes.
+megabytes. Where the worker made page segments (`page_segments.py`), a request's pages land
+straight in a range of the exports segment instead, and this thread announces the range on the
+first pipe once they have landed; the exporter thread then carries only what found no room.
 
 Pipe 1, worker -> core: ("call", id, method, args, kwargs); ("import", id, hashes, token ids, cache
-salt) and right after it every page back to back as one raw message (an `import_blocks` call);
-("abort", request_id); ("stop",). Core -> worker: ("ready", EngineInfo) | ("failed", why) first;
+salt) and right after it every page back to back as one raw message (an `import_blocks` call), or
+("import_shared", id, hashes, token ids, cache salt, offset, nbytes) with the pages in the imports
+segment; ("release", offset, nbytes) gives an exports range back; ("abort", request_id); ("stop",). Core -> worker: ("ready", EngineInfo) | ("failed", why) first;
 then ("result", id, ok, value), ("outputs", [RequestOutput]) (prompt ids left out: the worker has
-them; a KV export as `ExportPending`), ("step_failed", error).
+them; a KV export as `ExportPending`), ("step_failed", error), ("export_shared", request_id,
+hashes, token ids, offset, pages' bytes, tail's bytes) with the pages and then the tail in the
+exports segment (after the output that announces the export) or ("export_failed", request_id, why).
 Pipe 2, core -> worker: ("export", request_id, hashes, token ids, tail) and right after it the pages
 back to back as one raw message (written from the pinned copy: no pickling, no bytes object a page),
 or ("export_failed", request_id, why). An export may arrive before or after the output announcing it.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import signal
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from kvmesh.config import EngineConfig
 from kvmesh.engine.engine_info import EngineInfo
-from kvmesh.engine.outputs import ExportedBlock
+from kvmesh.engine.outputs import ExportedBlock, KVExport
+from kvmesh.engine.page_segments import CorePages, SegmentNames
 
 if TYPE_CHECKING:
     from kvmesh.engine.engine import LLMEngine
@@ -65,9 +72,10 @@ def pages_of(hashes: list[bytes], token_ids: list[list[int]], pages: bytes, own:
     return [ExportedBlock(h, t, src[i * size:(i + 1) * size]) for i, (h, t) in enumerate(zip(hashes, token_ids))]
 
 
-def run_engine_core(config: EngineConfig, conn: Connection, export_conn: Connection) -> None:
+def run_engine_core(config: EngineConfig, conn: Connection, export_conn: Connection,
+                    segments: Optional[SegmentNames] = None) -> None:
     """The engine process's entry point: builds the engine, says so, serves until told to stop or
-    the worker's end of the pipe closes."""
+    the worker's end of the pipe closes. `segments`: the worker's page segments, if it made them."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the worker, which stops this process
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -77,15 +85,26 @@ def run_engine_core(config: EngineConfig, conn: Connection, export_conn: Connect
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", EngineInfo.of(engine)))
-    EngineCore(engine, conn, export_conn).run()
+    pages = CorePages(segments, config.device) if segments is not None else None
+    try:
+        EngineCore(engine, conn, export_conn, pages).run()
+    finally:
+        if pages is not None:
+            pages.close()
 
 
 class EngineCore:
-    def __init__(self, engine: LLMEngine, conn: Connection, export_conn: Connection) -> None:
+    def __init__(self, engine: LLMEngine, conn: Connection, export_conn: Connection,
+                 pages: Optional[CorePages] = None) -> None:
         self.engine = engine
         self.conn = conn
         self.export_conn = export_conn
+        self.pages = pages
         self.exports: queue.SimpleQueue = queue.SimpleQueue()  # (request id, KVExport); None: stop
+        # exports landing in the exports segment, in step order: announced by this thread once landed
+        self.landing: collections.deque[tuple[str, KVExport]] = collections.deque()
+        if pages is not None and pages.takes_exports:
+            engine.export_space = pages
         self.gone = False  # the worker's end closed
 
     def run(self) -> None:
@@ -102,6 +121,7 @@ class EngineCore:
     def _serve(self) -> None:
         while not self.gone:
             if not self.engine.has_unfinished():
+                self._announce_landed(wait=True)
                 self.conn.poll(None)  # idle: sleep until a command comes (or the pipe closes)
             while self.conn.poll(0):
                 try:
@@ -112,9 +132,13 @@ class EngineCore:
                     return
                 if msg[0] == "stop":
                     return
+                if msg[0] == "release":
+                    self.pages.release_export(msg[1], msg[2])
+                    continue
                 self._handle(msg)
             if self.engine.has_unfinished():
                 self._step()
+            self._announce_landed(wait=False)
 
     def _send(self, msg: tuple) -> None:
         try:
@@ -128,6 +152,10 @@ class EngineCore:
             return
         if msg[0] == "import":
             _, cid, hashes, token_ids, salt, pages = msg
+            msg = ("call", cid, "import_blocks", (pages_of(hashes, token_ids, pages), salt), {})
+        elif msg[0] == "import_shared":  # views into the segment: the import copies them before it returns
+            _, cid, hashes, token_ids, salt, offset, nbytes = msg
+            pages = self.pages.imports.view(offset, nbytes)
             msg = ("call", cid, "import_blocks", (pages_of(hashes, token_ids, pages), salt), {})
         _, cid, method, args, kwargs = msg
         try:
@@ -153,9 +181,27 @@ class EngineCore:
         for o in outs:
             o.prompt_token_ids = []  # the worker has them; sent every step they would cost the most
             if o.kv_export is not None:
-                self.exports.put((o.request_id, o.kv_export))
+                if o.kv_export.shared_range is not None:
+                    self.landing.append((o.request_id, o.kv_export))
+                else:
+                    self.exports.put((o.request_id, o.kv_export))
                 o.kv_export = ExportPending(o.kv_export.tail_tokens, o.kv_export.tail_dtype)
         self._send(("outputs", outs))
+
+    def _announce_landed(self, wait: bool) -> None:
+        """Tells the worker of each export whose pages have landed in the exports segment (all of
+        them, waiting, when `wait`): a small message from this thread, no helper thread to wake
+        (each wake waits for this thread's GIL)."""
+        while self.landing and (wait or self.landing[0][1].landed()):
+            rid, export = self.landing.popleft()
+            offset, pages_bytes, tail_bytes = export.shared_range
+            try:
+                hashes, token_ids = export.wait_landed()
+            except Exception as e:  # noqa: BLE001 - the worker's reader of it raises
+                self.pages.release_export(offset, pages_bytes + tail_bytes)
+                self._send(("export_failed", rid, error_of(e)[1]))
+            else:
+                self._send(("export_shared", rid, hashes, token_ids, offset, pages_bytes, tail_bytes))
 
     # ---- the exporter thread ----
     def _export(self) -> None:

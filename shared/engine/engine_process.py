@@ -11,23 +11,28 @@ The process is spawned (never forked: CUDA), loads the model, and answers "ready
 commands (a busy engine reads them between steps, so a full pipe must not block the loop), a reader
 hands each message of the command pipe to the loop, another takes KV exports off the second pipe.
 A finished request's export is a `RemoteExport` whose bytes may arrive before or after its output.
-If the process dies, every open stream and call fails with RuntimeError and `on_lost` is called.
+Pages travel through two shared-memory segments the worker makes (`page_segments.py`) when
+`shared_memory_bytes` > 0 and /dev/shm has room, else raw on the pipes. If the process dies, every
+open stream and call fails with RuntimeError and `on_lost` is called.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import multiprocessing
 import queue
 import threading
-from typing import Optional
+import weakref
+from typing import Callable, Optional
 
 from kvmesh.config import EngineConfig
 from kvmesh.engine.engine_client import EngineClient
 from kvmesh.engine.engine_core import ExportPending, pages_of, run_engine_core
 from kvmesh.engine.engine_info import EngineInfo
 from kvmesh.engine.outputs import ExportedBlock, KVExport, RequestOutput
+from kvmesh.engine.page_segments import WorkerPages
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +47,19 @@ class RemoteExport(KVExport):
         super().__init__([], [], pending.tail_tokens, pending.tail_dtype, None)
         self._arrived = threading.Event()
         self._error = ""
+        self._release: Optional[weakref.finalize] = None
 
-    def fill(self, blocks: list[ExportedBlock], tail: bytes) -> None:
+    def fill(self, blocks: list[ExportedBlock], tail: bytes, release: Optional[Callable[[], None]] = None) -> None:
+        """`release`: gives the blocks' shared range back (their data are views into it)."""
         self._blocks, self._tail = blocks, tail
+        if release is not None:
+            self._release = weakref.finalize(self, release)  # given back at the latest when dropped
         self._arrived.set()
+
+    def release(self) -> None:
+        """The pages have been read (pushed): their shared range may be reused. Once; harmless again."""
+        if self._release is not None:
+            self._release()
 
     def fail(self, why: str) -> None:
         self._error = why
@@ -62,7 +76,7 @@ class RemoteExport(KVExport):
 def _settle(export: RemoteExport, msg: tuple) -> None:
     """Fills (or fails) an export from its "export" (or "export_failed") message."""
     if msg[0] == "export":
-        export.fill(msg[2], msg[3])
+        export.fill(*msg[2:])
     else:
         export.fail(msg[2])
 
@@ -73,9 +87,12 @@ def _raise_as(err: tuple[bool, str]) -> Exception:
 
 
 class EngineProcess(EngineClient):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, shared_memory_bytes: int = 0) -> None:
         super().__init__()
         self.config = config
+        self.shared_memory_bytes = shared_memory_bytes  # both page segments together (0: the pipes only)
+        self._pages: Optional[WorkerPages] = None
+        self._import_ranges: dict[int, tuple[int, int]] = {}  # call id -> its imports range, until the result
         self._info: Optional[EngineInfo] = None
         self._proc: Optional[multiprocessing.process.BaseProcess] = None
         self._conn = None  # commands out, results and outputs in (read on the loop)
@@ -109,7 +126,10 @@ class EngineProcess(EngineClient):
         ctx = multiprocessing.get_context("spawn")
         mine, theirs = ctx.Pipe(duplex=True)
         exports_in, exports_out = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=run_engine_core, args=(self.config, theirs, exports_out),
+        if self.shared_memory_bytes > 0 and self._pages is None:
+            self._pages = WorkerPages.create(self.shared_memory_bytes)
+        names = self._pages.names if self._pages is not None else None
+        proc = ctx.Process(target=run_engine_core, args=(self.config, theirs, exports_out, names),
                            name="kvmesh-engine-core", daemon=True)
         proc.start()
         theirs.close()
@@ -119,6 +139,7 @@ class EngineProcess(EngineClient):
         if kind != "ready":
             await asyncio.to_thread(self._reap)
             self._proc = None
+            self._close_pages()
             raise RuntimeError(f"the engine process could not start: {payload}")
         self._info = payload
         self._lost, self._stopping = "", False
@@ -148,6 +169,12 @@ class EngineProcess(EngineClient):
             await asyncio.to_thread(t.join, STOP_TIMEOUT_S)
         self._proc = None
         self._on_lost("engine stopped")
+        self._close_pages()
+
+    def _close_pages(self) -> None:
+        if self._pages is not None:
+            self._pages.close()
+            self._pages = None
 
     def _reap(self) -> None:
         self._proc.join(STOP_TIMEOUT_S)
@@ -165,6 +192,10 @@ class EngineProcess(EngineClient):
                 if msg[0] == "import":  # the header, then the pages back to back, raw
                     self._conn.send(msg[:-1])
                     self._conn.send_bytes(b"".join(msg[-1]))
+                elif msg[0] == "import_shared":  # the pages into the range taken for them, then the header
+                    _, cid, hashes, token_ids, salt, offset, nbytes, pages = msg
+                    WorkerPages.fill(self._pages.imports.view(offset, nbytes), pages)
+                    self._conn.send(msg[:-1])
                 else:
                     self._conn.send(msg)
             except (OSError, ValueError):  # the process is gone: the reader reports it
@@ -179,6 +210,8 @@ class EngineProcess(EngineClient):
                 msg = self._conn.recv()
             except (EOFError, OSError):
                 break
+            if msg[0] == "export_shared":  # the pages are in the exports segment: views into it, cut here
+                msg = self._shared_export(msg)
             self._to_loop(self._on_message, msg)
         code = self._proc.exitcode if self._proc is not None else None
         self._to_loop(self._on_lost, f"the engine process exited (code {code})")
@@ -194,6 +227,16 @@ class EngineProcess(EngineClient):
                 return  # the command pipe reports the end
             self._to_loop(self._on_message, msg)
 
+    def _shared_export(self, msg: tuple) -> tuple:
+        """("export_shared", ...) as ("export", request id, blocks viewing the segment, tail, release)."""
+        _, rid, hashes, token_ids, offset, pages_bytes, tail_bytes = msg
+        blocks = pages_of(hashes, token_ids, self._pages.export_view(offset, pages_bytes))
+        tail = bytes(self._pages.export_view(offset + pages_bytes, tail_bytes))
+        name, size = self._pages.exports.name, pages_bytes // max(1, len(blocks))
+        for i, b in enumerate(blocks):  # a push to a kvstore on this host names them, no copy
+            b.shared = (name, offset + i * size)
+        return "export", rid, blocks, tail, functools.partial(self._release, offset, pages_bytes + tail_bytes)
+
     def _to_loop(self, fn, *args) -> None:
         try:
             self._loop.call_soon_threadsafe(fn, *args)
@@ -207,6 +250,9 @@ class EngineProcess(EngineClient):
             self._deliver(self._restored(msg[1]))
         elif kind == "result":
             _, cid, ok, value = msg
+            taken = self._import_ranges.pop(cid, None)
+            if taken is not None:  # the engine has copied the pages out
+                self._pages.imports.free(*taken)
             fut = self._calls.pop(cid, None)
             if fut is not None and not fut.done():
                 fut.set_result(value) if ok else fut.set_exception(_raise_as(value))
@@ -241,6 +287,9 @@ class EngineProcess(EngineClient):
             if not fut.done():
                 fut.set_exception(RuntimeError(self._lost))
         self._calls.clear()
+        for taken in self._import_ranges.values():
+            self._pages.imports.free(*taken)
+        self._import_ranges.clear()
         for export in self._exports.values():
             export.fail(self._lost)
         self._exports.clear()
@@ -259,11 +308,17 @@ class EngineProcess(EngineClient):
         for b in blocks:
             if not isinstance(b.data, (bytes, bytearray, memoryview)):
                 raise ValueError(f"blocks[].data must be bytes, got {type(b.data).__name__}")
-        return await self._ask("import", [b.hash for b in blocks], [b.token_ids for b in blocks], cache_salt,
-                               [b.data for b in blocks])
+        head = ([b.hash for b in blocks], [b.token_ids for b in blocks], cache_salt)
+        nbytes = sum(len(b.data) for b in blocks)
+        offset = self._pages.take_import(nbytes) if self._pages is not None and blocks and not self._lost else None
+        if offset is None:
+            return await self._ask("import", *head, [b.data for b in blocks])
+        return await self._ask("import_shared", *head, offset, nbytes, [b.data for b in blocks],
+                               holds=(offset, nbytes))
 
-    async def _ask(self, kind: str, *parts) -> object:
-        """Sends (kind, id, *parts) and waits for the engine's result of it."""
+    async def _ask(self, kind: str, *parts, holds: Optional[tuple[int, int]] = None) -> object:
+        """Sends (kind, id, *parts) and waits for the engine's result of it. `holds`: an imports
+        range the call's pages fill, given back when the result comes (not when a waiter leaves)."""
         if self._lost:
             raise RuntimeError(self._lost)
         if self._info is None:
@@ -271,8 +326,15 @@ class EngineProcess(EngineClient):
         cid = next(self._ids)
         fut = self._loop.create_future()
         self._calls[cid] = fut
+        if holds is not None:
+            self._import_ranges[cid] = holds
         self._outbox.put((kind, cid, *parts))
         return await fut
+
+    def _release(self, offset: int, nbytes: int) -> None:
+        """An exports range read: the engine may reuse it (from any thread; a gone engine ignores it)."""
+        if not self._lost:
+            self._outbox.put(("release", offset, nbytes))
 
     def _post_abort(self, request_id: str) -> None:
         if not self._lost and self._info is not None:

@@ -51,6 +51,8 @@ class ExportedBlock:
     token_ids: list[int]
     data: bytes
     """One page: `KVCache.pool[block_id]` bytes, layout in kvmesh.kv.layout."""
+    shared: Optional[tuple[str, int]] = None
+    """(segment, offset) where `data` lies in a shared-memory segment (`page_segments.py`)."""
 
 
 class KVExport:
@@ -68,6 +70,9 @@ class KVExport:
         self._hashes, self._token_ids, self._copy = hashes, token_ids, copy
         self._blocks: Optional[list[ExportedBlock]] = None
         self._tail = b""
+        self.shared_range: Optional[tuple[int, int, int]] = None
+        """(offset, pages' bytes, tail's bytes): where the pages, then the tail, land in the engine
+        process's exports segment."""
 
     @classmethod
     def of(cls, blocks: list[ExportedBlock], tail_tokens: int, tail: bytes, tail_dtype: str) -> "KVExport":
@@ -84,6 +89,20 @@ class KVExport:
             self._tail = self._copy.whole(1)
             self._copy = None
         return self
+
+    def landed(self) -> bool:
+        """Whether the pages' copy to host memory is done (never waits)."""
+        return self._copy is None or self._copy.done()
+
+    def wait_landed(self) -> tuple[list[bytes], list[list[int]]]:
+        """Waits for the copy (raising what it met) without reading it; the blocks' (hashes, token ids)."""
+        if self._copy is not None:
+            self._copy.wait()
+        return self._hashes, self._token_ids
+
+    def release(self) -> None:
+        """Its pages have been read: an export whose pages are views into a shared range gives the
+        range back (`RemoteExport`); here nothing to do."""
 
     def pages(self) -> tuple[list[bytes], list[list[int]], memoryview, bytes]:
         """(hashes, token ids, every page's bytes back to back, the tail) without a bytes object a

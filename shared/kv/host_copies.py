@@ -23,12 +23,17 @@ def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.int
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
-def start_readback(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...], Optional[torch.cuda.Event]]:
+def start_readback(tensors: tuple[torch.Tensor, ...], into: Sequence[Optional[torch.Tensor]] = ()
+                   ) -> tuple[tuple[torch.Tensor, ...], Optional[torch.cuda.Event]]:
     """Host copies of device tensors, being made: (pinned host tensors, the event after which they
-    hold the values). On the CPU the tensors themselves and no event."""
+    hold the values). On the CPU the tensors themselves and no event. `into[i]`, if given: where
+    tensor i lands (host memory of its shape and dtype, page-locked for a device tensor; on the CPU
+    it is copied there at once)."""
+    into = tuple(into) + (None,) * (len(tensors) - len(into))
     if not tensors[0].is_cuda:
-        return tensors, None
-    host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
+        return tuple(t if d is None else d.copy_(t) for t, d in zip(tensors, into)), None
+    host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if d is None else d
+                 for t, d in zip(tensors, into))
     for h, t in zip(host, tensors):
         h.copy_(t, non_blocking=True)
     done = torch.cuda.Event()
@@ -41,8 +46,12 @@ class HostCopy:
     for the copy, once. Give it copies nothing writes to (on the CPU they are what is read). Call
     `wait()` from a worker thread to keep an event loop free (the wait releases the GIL)."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self._host, self._event = start_readback(tuple(tensors))
+    def __init__(self, tensors: Sequence[torch.Tensor], into: Sequence[Optional[torch.Tensor]] = ()) -> None:
+        self._host, self._event = start_readback(tuple(tensors), into)
+
+    def done(self) -> bool:
+        """Whether the copy has landed (never waits)."""
+        return self._event is None or self._event.query()
 
     def wait(self) -> "HostCopy":
         if self._event is not None:

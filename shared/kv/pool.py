@@ -11,6 +11,7 @@ A page moves between services as `pool[block_id]` (one contiguous buffer); a res
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -78,11 +79,23 @@ class KVCache:
         v = r[:, 1].transpose(1, 2).reshape(-1, self.layout.kv_heads, self.layout.head_dim)
         return k, v
 
-    def copy_out(self, block_ids: list[int], slot: int) -> HostCopy:
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one residual slot."""
+        return self.residual[0].numel() * self.residual.element_size()
+
+    def copy_out(self, block_ids: list[int], slot: int, into: Optional[torch.Tensor] = None) -> HostCopy:
         """Pages `block_ids` (in order) and residual slot `slot` on their way to host memory,
-        in stream order (nothing waits; `HostCopy.rows(0)` / `.whole(1)` read them)."""
+        in stream order (nothing waits; `HostCopy.rows(0)` / `.whole(1)` read them). `into`: uint8
+        host memory [n * block_bytes + slot_bytes] the pages and then the slot land in (page-locked
+        where the pool is on a GPU)."""
         pages = self.pool.index_select(0, to_device(block_ids, self.device))  # [n, block_bytes], a copy
-        return HostCopy([pages, self.residual[slot].clone()])
+        tail = self.residual[slot]
+        dst: tuple = ()
+        if into is not None:
+            n = pages.numel()
+            dst = (into[:n].view(len(block_ids), -1), into[n:].view(tail.dtype).view(tail.shape))
+        return HostCopy([pages, tail.clone()], into=dst)
 
     def write_pages(self, block_ids: list[int], pages: list[bytes | memoryview]) -> None:
         """Writes whole pages (`layout.block_bytes` each) in one queued copy."""
