@@ -48,6 +48,20 @@ def _known_env(role: str) -> set[str]:
     return {"KVMESH_" + o[2:].upper().replace("-", "_") for o in sub._option_string_actions if o.startswith("--")}
 
 
+def _shm_wanted(cfg) -> int:
+    """Bytes of /dev/shm that make room for all a worker's segments: each is made only where twice
+    its size is free."""
+    return 2 * (cfg.engine_shared_memory_mib + cfg.kvstore_shared_memory_mib) << 20
+
+
+def _k8s_bytes(quantity: str) -> int:
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "K": 10**3, "M": 10**6, "G": 10**9}
+    for unit in sorted(units, key=len, reverse=True):
+        if quantity.endswith(unit):
+            return int(quantity[:-len(unit)]) * units[unit]
+    return int(quantity)
+
+
 # ---------------------------------------------------------------------------------------------
 # docker compose
 # ---------------------------------------------------------------------------------------------
@@ -94,6 +108,7 @@ def test_compose_services_roles_and_settings(with_gpu):
         if role in ("prefill", "decode"):
             assert cfg.kvstore == ("kvstore:50061",) and cfg.redis_url == "redis://redis:6379/0"
             assert cfg.engine.device == ("cuda" if with_gpu else "auto")
+            assert int(svc["shm_size"]) >= _shm_wanted(cfg)
             devices = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
             assert bool(devices) == with_gpu
             if with_gpu:
@@ -180,5 +195,10 @@ def test_role_has_deployment_service_hpa_probes_and_valid_settings(role):
     if role in ("prefill", "decode"):
         assert cfg.advertise_address == f"10.1.2.3:{port}"
         assert cfg.kvstore == ("kvmesh-kvstore:50061",) and cfg.redis_url == "redis://kvmesh-redis:6379/0"
+        # /dev/shm from memory, large enough for the worker's shared-memory segments
+        (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+        (vol,) = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+        assert vol["emptyDir"]["medium"] == "Memory"
+        assert _k8s_bytes(vol["emptyDir"]["sizeLimit"]) >= _shm_wanted(cfg)
     if role == "gateway":
         assert cfg.decode == ("kvmesh-decode:50081",) and cfg.prefill == ("kvmesh-prefill:50071",)
