@@ -326,3 +326,23 @@ def test_exports_land_in_the_page_locked_segment_on_a_gpu():
             await b.stop()
 
     asyncio.run(main())
+
+
+async def test_an_engine_that_cannot_map_the_segments_takes_the_pipes(model_dir, monkeypatch):
+    """Segment names the engine process cannot open: it says so in its "ready", and the worker
+    closes its segments and moves every page through the pipes."""
+    from kvmesh.engine.page_segments import SegmentNames, WorkerPages
+
+    monkeypatch.setattr(WorkerPages, "names", property(lambda self: SegmentNames("kvmesh-gone-a", "kvmesh-gone-b",
+                                                                                  self.exports.size)))
+    ep = await started(model_dir, 8 << 20)
+    try:
+        assert ep._pages is None
+        prompt = random_prompts(1, 37, 37, seed=8)[0]
+        out = [o async for o in ep.generate("p", prompt, SamplingParams(temperature=0.0, max_tokens=1),
+                                            export_kv=True)][-1]
+        exp = await asyncio.to_thread(out.kv_export.ready)
+        assert len(exp.blocks) == 2 and all(isinstance(x.data, bytes) for x in exp.blocks)
+        assert await ep.import_blocks(exp.blocks) == 0  # already cached there; through the pipe
+    finally:
+        await ep.stop()

@@ -15,7 +15,8 @@ first pipe once they have landed; the exporter thread then carries only what fou
 Pipe 1, worker -> core: ("call", id, method, args, kwargs); ("import", id, hashes, token ids, cache
 salt) and right after it every page back to back as one raw message (an `import_blocks` call), or
 ("import_shared", id, hashes, token ids, cache salt, offset, nbytes) with the pages in the imports
-segment; ("release", offset, nbytes) gives an exports range back; ("abort", request_id); ("stop",). Core -> worker: ("ready", EngineInfo) | ("failed", why) first;
+segment; ("release", offset, nbytes) gives an exports range back; ("abort", request_id); ("stop",). Core -> worker: ("ready", EngineInfo, whether it mapped the page
+segments) | ("failed", why) first;
 then ("result", id, ok, value), ("outputs", [RequestOutput]) (prompt ids left out: the worker has
 them; a KV export as `ExportPending`), ("step_failed", error), ("export_shared", request_id,
 hashes, token ids, offset, pages' bytes, tail's bytes) with the pages and then the tail in the
@@ -84,8 +85,13 @@ def run_engine_core(config: EngineConfig, conn: Connection, export_conn: Connect
     except BaseException as e:  # noqa: BLE001 - reported to the worker, which raises it
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", EngineInfo.of(engine)))
-    pages = CorePages(segments, config.device) if segments is not None else None
+    pages = None
+    if segments is not None:
+        try:
+            pages = CorePages(segments, engine.runner.device.type)  # resolved: --device auto may be cuda
+        except Exception:  # noqa: BLE001 - the pipes carry every page then (the worker is told)
+            log.exception("could not map the worker's page segments; pages take the pipes")
+    conn.send(("ready", EngineInfo.of(engine), pages is not None))
     try:
         EngineCore(engine, conn, export_conn, pages).run()
     finally:

@@ -135,12 +135,14 @@ class EngineProcess(EngineClient):
         theirs.close()
         exports_out.close()
         self._proc, self._conn, self._export_conn = proc, mine, exports_in
-        kind, payload = await asyncio.to_thread(self._first_message)
+        kind, payload, *mapped = await asyncio.to_thread(self._first_message)
         if kind != "ready":
             await asyncio.to_thread(self._reap)
             self._proc = None
             self._close_pages()
             raise RuntimeError(f"the engine process could not start: {payload}")
+        if not (mapped and mapped[0]):  # the engine could not map them: the pipes carry every page
+            self._close_pages()
         self._info = payload
         self._lost, self._stopping = "", False
         self._threads = [threading.Thread(target=self._read, name="kvmesh-engine-reader", daemon=True),

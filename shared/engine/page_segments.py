@@ -87,6 +87,7 @@ class CorePages:
     thread takes ranges (in a step) and gives them back (on the worker's "release")."""
 
     def __init__(self, names: SegmentNames, device: str = "cpu") -> None:
+        """`device`: the engine's device type ("cuda": the exports segment is page-locked)."""
         import torch  # the engine process's side only: the worker's imports no torch
 
         self.exports = MappedSegment(names.exports, names.size)
@@ -95,7 +96,7 @@ class CorePages:
         self._memory = torch.frombuffer(self.exports.buf, dtype=torch.uint8)  # [size], the segment's bytes
         self._registered = False
         self.takes_exports = True
-        if device.startswith("cuda"):
+        if device == "cuda":
             err = torch.cuda.cudart().cudaHostRegister(self._memory.data_ptr(), names.size, 0)
             self._registered = self.takes_exports = int(err) == 0
             if not self._registered:  # a copy into pageable memory would wait: exports take the pipe
