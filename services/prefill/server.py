@@ -10,7 +10,7 @@ One Prefill call:
     partial last block in full precision.
 Local prefix-cache events are published to the index under this worker's address by the runtime's
 publish tick (every --publish-interval), never on a request's path: a drain waits for the engine's
-step boundary, so one a reply serialized a burst's replies one engine step apart.
+step boundary, so one drain a reply left a burst's replies one engine step apart.
 """
 from __future__ import annotations
 

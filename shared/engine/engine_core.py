@@ -15,8 +15,8 @@ first pipe once they have landed; the exporter thread then carries only what fou
 Pipe 1, worker -> core: ("call", id, method, args, kwargs); ("import", id, hashes, token ids, cache
 salt) and right after it every page back to back as one raw message (an `import_blocks` call), or
 ("import_shared", id, hashes, token ids, cache salt, offset, nbytes) with the pages in the imports
-segment; ("release", offset, nbytes) gives an exports range back; ("abort", request_id); ("stop",). Core -> worker: ("ready", EngineInfo, whether it mapped the page
-segments) | ("failed", why) first;
+segment; ("release", offset, nbytes) gives an exports range back; ("abort", request_id); ("stop",).
+Core -> worker: ("ready", EngineInfo, whether it mapped the page segments) | ("failed", why) first;
 then ("result", id, ok, value), ("outputs", [RequestOutput]) (prompt ids left out: the worker has
 them; a KV export as `ExportPending`), ("step_failed", error), ("export_shared", request_id,
 hashes, token ids, offset, pages' bytes, tail's bytes) with the pages and then the tail in the

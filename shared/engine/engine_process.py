@@ -312,7 +312,7 @@ class EngineProcess(EngineClient):
                 raise ValueError(f"blocks[].data must be bytes, got {type(b.data).__name__}")
         head = ([b.hash for b in blocks], [b.token_ids for b in blocks], cache_salt)
         nbytes = sum(len(b.data) for b in blocks)
-        offset = self._pages.take_import(nbytes) if self._pages is not None and blocks and not self._lost else None
+        offset = self._pages.imports.alloc(nbytes) if self._pages is not None and blocks and not self._lost else None
         if offset is None:
             return await self._ask("import", *head, [b.data for b in blocks])
         return await self._ask("import_shared", *head, offset, nbytes, [b.data for b in blocks],

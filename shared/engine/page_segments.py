@@ -63,9 +63,6 @@ class WorkerPages:
     def export_view(self, offset: int, nbytes: int) -> memoryview:
         return self._export_reader.view(offset, nbytes)
 
-    def take_import(self, nbytes: int) -> Optional[int]:
-        return self.imports.alloc(nbytes)
-
     @staticmethod
     def fill(view: memoryview, pages: Sequence[bytes | memoryview]) -> None:
         """Copies pages back to back into a taken range's view."""
