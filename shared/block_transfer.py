@@ -1,6 +1,7 @@
 """Moves KV pages between the kvstore and a worker's local engine, byte for byte (never re-quantized).
 
-    pull: kvstore Get (leased while in flight) -> AsyncEngine.import_blocks -> kvstore Release
+    pull: kvstore Get (leased while in flight; on one host straight into the engine's imports
+          segment) -> EngineClient.import_blocks -> kvstore Release
     push: the engine's KVExport blocks the store lacks -> kvstore Put
 
 Used by the prefill and decode workers. It sits at the services layer (it speaks to the kvstore
@@ -133,30 +134,41 @@ class BlockTransfer:
         want = [h for h in hashes if h not in local]
         if not want:
             return PullResult([], 0, 0, 0.0)
+        # where the engine copies imports from (an engine process's imports segment): the kvstore
+        # writes the pages there, so the worker copies none of them
+        space = engine.reserve_import(len(want) * self.layout.block_bytes)
+        handed = False
         try:
-            got = await self.kvstore.get(want, lease_holder=self.holder, lease_seconds=self.lease_seconds)
-        except Exception as e:  # no store reachable: a cache miss, not a failed request
-            log.warning("kvstore get of %d blocks failed, recomputing them: %s", len(want), e)
-            return PullResult([], len(want), 0, time.perf_counter() - start, error=str(e))
-        try:
-            usable: list[ExportedBlock] = []
-            for h, blk in zip(want, got):
-                if blk is None or blk.layout != self.layout_id or len(blk.data) != self.layout.block_bytes:
-                    break
-                usable.append(ExportedBlock(hash=h, token_ids=list(blk.token_ids), data=blk.data))
-            # Everything before the first gap is a contiguous chain together with the local blocks.
-            chain_end = len(usable)
-            t_import = time.perf_counter()
-            if usable:
-                await engine.import_blocks(usable, cache_salt)
-            t_imported = time.perf_counter()
+            try:
+                got = await self.kvstore.get(want, lease_holder=self.holder, lease_seconds=self.lease_seconds,
+                                             into=space)
+            except Exception as e:  # no store reachable: a cache miss, not a failed request
+                log.warning("kvstore get of %d blocks failed, recomputing them: %s", len(want), e)
+                return PullResult([], len(want), 0, time.perf_counter() - start, error=str(e))
+            try:
+                usable: list[ExportedBlock] = []
+                for h, blk in zip(want, got):
+                    if blk is None or blk.layout != self.layout_id or len(blk.data) != self.layout.block_bytes:
+                        break
+                    usable.append(ExportedBlock(hash=h, token_ids=list(blk.token_ids), data=blk.data,
+                                                shared=blk.shared))
+                # Everything before the first gap is a contiguous chain together with the local blocks.
+                chain_end = len(usable)
+                t_import = time.perf_counter()
+                if usable:
+                    handed = True  # the import takes the range over, whatever happens
+                    await engine.import_blocks(usable, cache_salt, reserved=space)
+                t_imported = time.perf_counter()
+            finally:
+                leased = [h for h, blk in zip(want, got) if blk is not None]
+                if leased:
+                    try:
+                        await self.kvstore.release(leased, self.holder)
+                    except Exception as e:  # the leases expire after --lease-seconds anyway
+                        log.warning("kvstore release of %d blocks failed: %s", len(leased), e)
         finally:
-            leased = [h for h, blk in zip(want, got) if blk is not None]
-            if leased:
-                try:
-                    await self.kvstore.release(leased, self.holder)
-                except Exception as e:  # the leases expire after --lease-seconds anyway
-                    log.warning("kvstore release of %d blocks failed: %s", len(leased), e)
+            if not handed:
+                engine.release_import(space)
         nbytes = sum(len(b.data) for b in usable)
         return PullResult([b.hash for b in usable], len(want) - chain_end, nbytes, time.perf_counter() - start,
                           get_seconds=t_import - start, import_seconds=t_imported - t_import)

@@ -5,7 +5,8 @@ segment both processes map, and only the range's offset travels. Two users:
 - a kvstore client writes a put's blocks into its segment and sends their offsets (`PutShared`),
   or reserves a range that the server fills (`GetShared`); a range is freed when its call returns;
 - a worker and its engine process (`engine/engine_process.py`): the engine lands each finished
-  request's exported pages in one segment and the worker writes imported pages into another.
+  request's exported pages in one segment and the worker writes imported pages into another, or
+  has the kvstore write them there (`SegmentRange`).
 A segment lives in /dev/shm under a "kvmesh-" name (the only names a kvstore server opens); it is
 created only when /dev/shm has twice the room, and every page is written at once (a first write
 into a page of a full tmpfs would kill the process with SIGBUS). `RangeAllocator` is the free list
@@ -17,6 +18,7 @@ import logging
 import mmap
 import os
 import secrets
+from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from typing import Optional
@@ -33,6 +35,23 @@ def shm_free_bytes(path: str = "/dev/shm") -> int:
     except OSError:
         return 0
     return st.f_bavail * st.f_frsize
+
+
+@dataclass(frozen=True)
+class SegmentRange:
+    """A taken range of a segment this process maps, which another process on the host may be
+    asked to fill: a kvstore `GetShared` straight into an engine's imports segment."""
+
+    segment: str
+    offset: int
+    nbytes: int
+    buf: memoryview  # the range's bytes
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """Bytes [offset, offset + nbytes) of the segment, which must lie in this range."""
+        if not self.offset <= offset <= offset + nbytes <= self.offset + self.nbytes:
+            raise ValueError(f"bytes {offset}+{nbytes} lie outside the range {self.offset}+{self.nbytes}")
+        return self.buf[offset - self.offset:offset - self.offset + nbytes]
 
 
 class RangeAllocator:

@@ -109,6 +109,28 @@ def test_missing_block_falls_back_to_recompute(model_dir):
     assert b.stats().computed_tokens == (40 + 1 - 16) + NEW - 2
 
 
+def test_an_import_from_host_rows_writes_the_same_pages(model_dir):
+    """`import_blocks(rows=...)` (the engine process's copy straight out of its imports segment)
+    writes the pages the bytes path writes, skipping blocks already cached, and checks the rows."""
+    prompt = random_prompts(1, 52, 52, seed=4)[0]
+    exp = prefill(make(model_dir, "int8"), prompt).kv_export
+    rows = torch.frombuffer(bytearray(b"".join(bytes(x.data) for x in exp.blocks)), dtype=torch.uint8)
+    rows = rows.view(len(exp.blocks), -1)  # [3, block_bytes]
+    by_bytes, by_rows = make(model_dir, "int8"), make(model_dir, "int8")
+    assert by_bytes.import_blocks(exp.blocks) == 3
+    assert by_rows.import_blocks(exp.blocks[1:2], rows=rows[1:2]) == 1
+    assert by_rows.import_blocks(exp.blocks, rows=rows) == 2  # the middle one is cached: rows 0 and 2
+    with pytest.raises(ValueError, match="rows holds 2 pages for 3 blocks"):
+        by_rows.import_blocks(exp.blocks, rows=rows[:2])
+    with pytest.raises(ValueError, match="rows must be uint8"):
+        by_rows.runner.cache.write_rows([0], rows[:, :-1], [0])
+
+    def pages(engine):
+        ids = [engine.kv.pool.get_cached_block(x.hash).block_id for x in exp.blocks]
+        return [engine.runner.cache.pool[i].tolist() for i in ids]
+    assert pages(by_rows) == pages(by_bytes) == [list(bytes(x.data)) for x in exp.blocks]
+
+
 def test_resume_validates_its_state(model_dir):
     b = make(model_dir, "auto")
     prompt = random_prompts(1, 20, 20, seed=3)[0]

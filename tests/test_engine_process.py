@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -35,6 +36,14 @@ async def started(model: str, shared_memory_bytes: int = 0) -> EngineProcess:
     ep = EngineProcess(config(model), shared_memory_bytes=shared_memory_bytes)
     await ep.start()
     return ep
+
+
+async def until(condition, timeout: float = 10.0) -> None:
+    """Waits for `condition()` (a message the engine process sends after a call's result)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not come true in time"
+        await asyncio.sleep(0.01)
 
 
 def reference(model: str, prompts, params) -> dict:
@@ -152,8 +161,8 @@ async def test_kv_export_import_and_resume_across_processes(model_dir, shared):
         with pytest.raises(ValueError, match="must be bytes"):  # refused before the pipe's writer sees it
             await b.import_blocks([ExportedBlock(exp.blocks[0].hash, exp.blocks[0].token_ids, "text")])
         assert await b.import_blocks(exp.blocks) == 2
-        if shared:  # the import's range is back once its result came
-            assert b._pages.imports.free_bytes == b._pages.imports.size
+        if shared:  # the import's range is back once the engine's copy out of it has landed
+            await until(lambda: b._pages.imports.free_bytes == b._pages.imports.size)
         assert [h for kind, h in await b.call("drain_kv_events") if kind == "stored"] == [x.hash for x in exp.blocks]
         params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
         out = [o async for o in b.generate("x", prompt, params, resume=ResumeState(
@@ -310,8 +319,9 @@ def test_exports_land_in_the_page_locked_segment_on_a_gpu():
             assert all(isinstance(x.data, memoryview) for x in exp.blocks)  # through the segment
             assert [bytes(x.data) for x in exp.blocks] == [x.data for x in want.blocks]
             assert exp.tail == want.tail
-            assert await b.import_blocks(exp.blocks) == len(exp.blocks)
+            assert await b.import_blocks(exp.blocks) == len(exp.blocks)  # straight out of the imports segment
             exp.release()
+            await until(lambda: b._pages.imports.free_bytes == b._pages.imports.size)  # "imported" came
             params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
             out = [o async for o in b.generate("x", prompt, params, resume=ResumeState(
                 pre.outputs[0].token_ids, exp.tail_tokens, exp.tail))][-1]

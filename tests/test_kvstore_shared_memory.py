@@ -14,7 +14,7 @@ from kvmesh.kvstore.chunks import GRPC_OPTIONS
 from kvmesh.kvstore.client import GrpcKVStoreClient, StoredBlock
 from kvmesh.kvstore.config import KVStoreConfig
 from kvmesh.kvstore.server import KVStoreServer
-from kvmesh.shm_arena import ShmArena
+from kvmesh.shm_arena import SegmentRange, ShmArena
 from kvmesh.wire import kvmesh_pb2 as pb
 from kvmesh.wire import kvmesh_pb2_grpc as pb_grpc
 
@@ -100,6 +100,43 @@ async def test_blocks_already_in_a_segment_are_named_not_copied(node):
         await client.close()
         bs.clear()  # their views, before the segment closes
         exports.close()
+
+
+async def test_a_get_into_a_given_range_leaves_the_blocks_there(node):
+    """A get `into` a range of another segment (an engine's imports segment): the blocks land there
+    back to back, missing ones take no room, each block's data views its spot and `shared` names
+    it; the client's own arena is not used. A range too small: the blocks come as messages."""
+    imports = ShmArena.create(1 << 20)
+    client = GrpcKVStoreClient([node.address], shared_memory_bytes=1 << 20)
+    bs = blocks(3, 100_000)
+    got, ranges = [], []
+    try:
+        assert await client.put(bs) == 3
+        arena_before = list(client._arena._free)
+        start = imports.alloc(4 * 100_000)
+        into = SegmentRange(imports.name, start, 4 * 100_000, imports.view(start, 4 * 100_000))
+        ranges.append(into)
+        missing = os.urandom(32)
+        got = await client.get([bs[2].hash, missing, bs[0].hash], lease_holder="d", lease_seconds=5, into=into)
+        assert got[1] is None
+        assert [(g.shared, isinstance(g.data, memoryview)) for g in (got[0], got[2])] == \
+            [((imports.name, start), True), ((imports.name, start + 100_000), True)]
+        assert bytes(imports.view(start, 200_000)) == bs[2].data + bs[0].data
+        assert got[0] == bs[2] and got[2] == bs[0]
+        assert client._arena._free == arena_before and node._servicer.segments._open.keys() == {
+            client._arena.name, imports.name}
+        small = SegmentRange(imports.name, start, 150_000, imports.view(start, 150_000))
+        ranges.append(small)
+        again = await client.get([bs[1].hash, bs[2].hash], into=small)  # two blocks do not fit
+        assert again == [bs[1], bs[2]] and all(g.shared is None for g in again)
+        with pytest.raises(ValueError, match="outside the range"):
+            into.view(start + 300_000, 200_000)
+        del into, small
+    finally:
+        await client.close()
+        got.clear()  # their views, before the segment closes
+        ranges.clear()
+        imports.close()
 
 
 async def test_a_node_that_cannot_open_the_segment_gets_messages(node):

@@ -19,7 +19,7 @@ from kvmesh.kvstore.chunks import (GRPC_OPTIONS, assemble, batch_chunks, block_c
                                    unbatched)
 from kvmesh.kvstore.malloc import tune_malloc
 from kvmesh.kvstore.rendezvous import node_for
-from kvmesh.shm_arena import ShmArena
+from kvmesh.shm_arena import SegmentRange, ShmArena
 from kvmesh.kvstore.store import BlockStore, PutResult
 from kvmesh.wire import kvmesh_pb2 as pb
 from kvmesh.wire import kvmesh_pb2_grpc as pb_grpc
@@ -47,9 +47,12 @@ class KVStoreClient(Protocol):
         """Store blocks; returns how many the store now holds from this call (stored or already held)."""
         ...
 
-    async def get(self, hashes: list[bytes], lease_holder: str = "", lease_seconds: float = 0.0
-                  ) -> list[StoredBlock | None]:
-        """Blocks in order, None where missing; leases what it returns when lease_seconds > 0."""
+    async def get(self, hashes: list[bytes], lease_holder: str = "", lease_seconds: float = 0.0,
+                  into: SegmentRange | None = None) -> list[StoredBlock | None]:
+        """Blocks in order, None where missing; leases what it returns when lease_seconds > 0.
+        `into`: a range of this host's shared memory the blocks may be written into, back to back
+        (each such block's `shared` then names its spot and its data views it); a transport that
+        cannot leaves it alone."""
         ...
 
     async def contains(self, hashes: list[bytes]) -> list[bool]:
@@ -76,8 +79,8 @@ class LocalKVStoreClient:
             held += r is not PutResult.REJECTED
         return held
 
-    async def get(self, hashes: list[bytes], lease_holder: str = "", lease_seconds: float = 0.0
-                  ) -> list[StoredBlock | None]:
+    async def get(self, hashes: list[bytes], lease_holder: str = "", lease_seconds: float = 0.0,
+                  into: SegmentRange | None = None) -> list[StoredBlock | None]:
         self.store.lease(hashes, lease_holder, lease_seconds)
         return await self.store.get_many(hashes, lease_holder, lease_seconds).gather()
 
@@ -91,11 +94,12 @@ class LocalKVStoreClient:
         pass
 
 
-def _checked(node: str, header: pb.BlockHeader, data: bytes) -> StoredBlock:
+def _checked(node: str, header: pb.BlockHeader, data: bytes | memoryview,
+             shared: tuple[str, int] | None = None) -> StoredBlock:
     """The block a get received, its bytes checked against the crc32 its header carries."""
     if checksum.crc32(data) != header.crc32:
         raise BlockCorrupted(f"block {header.hash.hex()[:16]} from kvstore {node}: crc32 mismatch")
-    return StoredBlock(header.hash, list(header.token_ids), data, header.layout, crc32=header.crc32)
+    return StoredBlock(header.hash, list(header.token_ids), data, header.layout, crc32=header.crc32, shared=shared)
 
 
 class _Stub(pb_grpc.KVStoreStub):
@@ -195,13 +199,16 @@ class GrpcKVStoreClient:
         await self._sharded([b.hash for b in blocks], call)
         return held
 
-    async def get(self, hashes: list[bytes], lease_holder: str = "", lease_seconds: float = 0.0
-                  ) -> list[StoredBlock | None]:
+    async def get(self, hashes: list[bytes], lease_holder: str = "", lease_seconds: float = 0.0,
+                  into: SegmentRange | None = None) -> list[StoredBlock | None]:
+        """`into` serves a call to one node for every hash (a range holds one node's blocks back to
+        back); the blocks written there are views into it, checked in place."""
         async def call(node: str, idx: list[int]) -> list[StoredBlock | None]:
             req = pb.GetRequest(hashes=[hashes[i] for i in idx], lease_holder=lease_holder,
                                 lease_seconds=lease_seconds)
-            if self._shares(node) and self._block_bytes:
-                shared = await self._get_shared(node, req)
+            if self._shares(node) and (self._block_bytes or into is not None):
+                target = into if into is not None and len(idx) == len(hashes) else None
+                shared = await self._get_shared(node, req, target)
                 if shared is not None:
                     return shared
             out: list[StoredBlock | None] = []
@@ -296,24 +303,36 @@ class GrpcKVStoreClient:
                 return None
             raise
 
-    async def _get_shared(self, node: str, req: pb.GetRequest) -> list[StoredBlock | None] | None:
-        """GetShared into a range reserved for the largest block seen, or None (then a GetBatched)."""
-        capacity = len(req.hashes) * self._block_bytes
-        start = self._arena.alloc(capacity)
-        if start is None:
-            return None
+    async def _get_shared(self, node: str, req: pb.GetRequest, into: SegmentRange | None = None
+                          ) -> list[StoredBlock | None] | None:
+        """GetShared into `into`, or into a range of this client's segment reserved for the largest
+        block seen; None where there is no room, the node cannot open the segment or a block does
+        not fit (then a GetBatched). Blocks in `into` are views into it; others are copied out."""
+        if into is None:
+            if not self._block_bytes:
+                return None
+            capacity = len(req.hashes) * self._block_bytes
+            start = self._arena.alloc(capacity)
+            if start is None:
+                return None
+            target = SegmentRange(self._arena.name, start, capacity, self._arena.view(start, capacity))
+        else:
+            target = into
         try:
             reply = await self._stubs[node].GetShared(pb.SharedGet(
-                request=req, segment=self._arena.name, offset=start, capacity=capacity), timeout=self.timeout)
+                request=req, segment=target.segment, offset=target.offset, capacity=target.nbytes),
+                timeout=self.timeout)
             out: list[StoredBlock | None] = []
             for ref in reply.blocks:
                 h = ref.header
                 if h.missing:
                     out.append(None)
                     continue
-                if not start <= ref.offset <= ref.offset + h.size <= start + capacity:
-                    raise ValueError(f"kvstore {node} put a block outside the range it was given")
-                out.append(_checked(node, h, bytes(self._arena.view(ref.offset, h.size))))  # the range is reused next
+                data = target.view(ref.offset, h.size)  # ValueError: the node wrote outside the range
+                if into is None:  # this client's range is reused next: own the bytes
+                    out.append(_checked(node, h, bytes(data)))
+                else:
+                    out.append(_checked(node, h, data, shared=(target.segment, ref.offset)))
             if len(out) != len(req.hashes):
                 raise ValueError(f"kvstore {node} answered {len(out)} blocks for {len(req.hashes)} hashes")
             return out
@@ -322,5 +341,5 @@ class GrpcKVStoreClient:
                 return None  # RESOURCE_EXHAUSTED: a block larger than any seen; the batched get learns it
             raise
         finally:
-            self._arena.free(start, capacity)
-
+            if into is None:
+                self._arena.free(target.offset, target.nbytes)

@@ -138,8 +138,11 @@ class LLMEngine:
         return list(self._requests)
 
     # ---- KV import / events ----
-    def import_blocks(self, blocks: list[ExportedBlock], cache_salt: str = "") -> int:
-        """Puts pages computed elsewhere into the prefix cache (unreferenced, evictable)."""
+    def import_blocks(self, blocks: list[ExportedBlock], cache_salt: str = "",
+                      rows: Optional[torch.Tensor] = None) -> int:
+        """Puts pages computed elsewhere into the prefix cache (unreferenced, evictable). `rows`:
+        the pages as host memory, uint8 [len(blocks), block_bytes] (page-locked on a GPU), copied
+        straight from there (`KVCache.write_rows`: keep them until the stream passes the copy)."""
         for b in blocks:
             if len(b.token_ids) != self.layout.block_size:
                 raise ValueError(f"blocks[].token_ids must hold {self.layout.block_size} tokens, "
@@ -147,13 +150,18 @@ class LLMEngine:
             if len(b.data) != self.layout.block_bytes:
                 raise ValueError(f"blocks[].data is {len(b.data)} bytes, this engine's page is "
                                  f"{self.layout.block_bytes} (KV dtype {self.layout.kv_dtype})")
-        ids, pages = [], []
-        for b in blocks:
+        if rows is not None and rows.shape[0] != len(blocks):
+            raise ValueError(f"rows holds {rows.shape[0]} pages for {len(blocks)} blocks")
+        ids, picks = [], []
+        for i, b in enumerate(blocks):
             bid = self.kv.import_block(b.hash, b.token_ids)
             if bid is not None:  # None: already cached, or no free page (a resume recomputes it)
                 ids.append(bid)
-                pages.append(b.data)
-        self.runner.cache.write_pages(ids, pages)  # one queued copy: the step in flight runs on
+                picks.append(i)
+        if rows is not None:  # one queued copy: the step in flight runs on
+            self.runner.cache.write_rows(ids, rows, picks)
+        else:
+            self.runner.cache.write_pages(ids, [blocks[i].data for i in picks])
         return len(ids)
 
     def drain_kv_events(self) -> list[tuple[str, bytes]]:

@@ -15,6 +15,7 @@ from kvmesh.engine.engine_info import EngineInfo
 from kvmesh.engine.output_collector import OutputCollector
 from kvmesh.engine.outputs import ExportedBlock, OutputKind, RequestOutput, ResumeState
 from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.shm_arena import SegmentRange
 
 
 class EngineClient:
@@ -113,6 +114,18 @@ class EngineClient:
         if q is not None:
             q.put(None)
 
-    async def import_blocks(self, blocks: list[ExportedBlock], cache_salt: str = "") -> int:
-        """Puts pages computed elsewhere into the engine's prefix cache; returns how many it took."""
+    async def import_blocks(self, blocks: list[ExportedBlock], cache_salt: str = "",
+                            reserved: Optional[SegmentRange] = None) -> int:
+        """Puts pages computed elsewhere into the engine's prefix cache; returns how many it took.
+        `reserved`: a range `reserve_import` gave, which the call takes over (whatever happens)."""
+        self.release_import(reserved)
         return await self.call("import_blocks", blocks, cache_salt)
+
+    def reserve_import(self, nbytes: int) -> Optional[SegmentRange]:
+        """A range of shared memory the engine copies imports straight out of, for a kvstore get to
+        fill (`import_blocks(..., reserved=)` then takes the pages that lie in it without a copy), or
+        None: this engine has no such memory, or it is full."""
+        return None
+
+    def release_import(self, reserved: Optional[SegmentRange]) -> None:
+        """Gives back a `reserve_import` range that no import took (None: nothing)."""

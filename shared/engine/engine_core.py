@@ -15,9 +15,11 @@ first pipe once they have landed; the exporter thread then carries only what fou
 Pipe 1, worker -> core: ("call", id, method, args, kwargs); ("import", id, hashes, token ids, cache
 salt) and right after it every page back to back as one raw message (an `import_blocks` call), or
 ("import_shared", id, hashes, token ids, cache salt, offset, nbytes) with the pages in the imports
-segment; ("release", offset, nbytes) gives an exports range back; ("abort", request_id); ("stop",).
+segment, which stays the worker's until ("imported", id) says the copy out of it has landed;
+("release", offset, nbytes) gives an exports range back; ("abort", request_id); ("stop",).
 Core -> worker: ("ready", EngineInfo, whether it mapped the page segments) | ("failed", why) first;
-then ("result", id, ok, value), ("outputs", [RequestOutput]) (prompt ids left out: the worker has
+then ("result", id, ok, value), ("imported", id) (an "import_shared"'s range is free again),
+("outputs", [RequestOutput]) (prompt ids left out: the worker has
 them; a KV export as `ExportPending`), ("step_failed", error), ("export_shared", request_id,
 hashes, token ids, offset, pages' bytes, tail's bytes) with the pages and then the tail in the
 exports segment (after the output that announces the export) or ("export_failed", request_id, why).
@@ -159,10 +161,19 @@ class EngineCore:
         if msg[0] == "import":
             _, cid, hashes, token_ids, salt, pages = msg
             msg = ("call", cid, "import_blocks", (pages_of(hashes, token_ids, pages), salt), {})
-        elif msg[0] == "import_shared":  # views into the segment: the import copies them before it returns
+        elif msg[0] == "import_shared":  # the pages are copied straight out of the segment, queued
             _, cid, hashes, token_ids, salt, offset, nbytes = msg
             pages = self.pages.imports.view(offset, nbytes)
-            msg = ("call", cid, "import_blocks", (pages_of(hashes, token_ids, pages), salt), {})
+            rows = self.pages.import_rows(offset, nbytes, len(hashes))
+            msg = ("call", cid, "import_blocks", (pages_of(hashes, token_ids, pages), salt), {"rows": rows})
+            try:
+                self._call(msg)
+            finally:  # the range goes back to the worker once the stream has passed the copy
+                self.pages.mark_import(cid)
+            return
+        self._call(msg)
+
+    def _call(self, msg: tuple) -> None:
         _, cid, method, args, kwargs = msg
         try:
             if method not in CALLS:
@@ -195,9 +206,13 @@ class EngineCore:
         self._send(("outputs", outs))
 
     def _announce_landed(self, wait: bool) -> None:
-        """Tells the worker of each export whose pages have landed in the exports segment (all of
-        them, waiting, when `wait`): a small message from this thread, no helper thread to wake
-        (each wake waits for this thread's GIL)."""
+        """Tells the worker of each export whose pages have landed in the exports segment and of
+        each import whose pages have left the imports segment (all of them, waiting, when `wait`):
+        small messages from this thread, no helper thread to wake (each wake waits for this
+        thread's GIL)."""
+        if self.pages is not None:
+            for cid in self.pages.landed_imports(wait):
+                self._send(("imported", cid))
         while self.landing and (wait or self.landing[0][1].landed()):
             rid, export = self.landing.popleft()
             offset, pages_bytes, tail_bytes = export.shared_range

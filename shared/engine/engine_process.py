@@ -33,6 +33,7 @@ from kvmesh.engine.engine_core import ExportPending, pages_of, run_engine_core
 from kvmesh.engine.engine_info import EngineInfo
 from kvmesh.engine.outputs import ExportedBlock, KVExport, RequestOutput
 from kvmesh.engine.page_segments import WorkerPages
+from kvmesh.shm_arena import SegmentRange
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class EngineProcess(EngineClient):
         self.config = config
         self.shared_memory_bytes = shared_memory_bytes  # both page segments together (0: the pipes only)
         self._pages: Optional[WorkerPages] = None
-        self._import_ranges: dict[int, tuple[int, int]] = {}  # call id -> its imports range, until the result
+        self._import_ranges: dict[int, tuple[int, int]] = {}  # call id -> its imports range, until "imported"
         self._info: Optional[EngineInfo] = None
         self._proc: Optional[multiprocessing.process.BaseProcess] = None
         self._conn = None  # commands out, results and outputs in (read on the loop)
@@ -196,7 +197,8 @@ class EngineProcess(EngineClient):
                     self._conn.send_bytes(b"".join(msg[-1]))
                 elif msg[0] == "import_shared":  # the pages into the range taken for them, then the header
                     _, cid, hashes, token_ids, salt, offset, nbytes, pages = msg
-                    WorkerPages.fill(self._pages.imports.view(offset, nbytes), pages)
+                    if pages is not None:  # None: a kvstore get wrote them there
+                        WorkerPages.fill(self._pages.imports.view(offset, nbytes), pages)
                     self._conn.send(msg[:-1])
                 else:
                     self._conn.send(msg)
@@ -252,12 +254,13 @@ class EngineProcess(EngineClient):
             self._deliver(self._restored(msg[1]))
         elif kind == "result":
             _, cid, ok, value = msg
-            taken = self._import_ranges.pop(cid, None)
-            if taken is not None:  # the engine has copied the pages out
-                self._pages.imports.free(*taken)
             fut = self._calls.pop(cid, None)
             if fut is not None and not fut.done():
                 fut.set_result(value) if ok else fut.set_exception(_raise_as(value))
+        elif kind == "imported":  # the engine's copy out of the call's imports range has landed
+            taken = self._import_ranges.pop(msg[1], None)
+            if taken is not None:
+                self._pages.imports.free(*taken)
         elif kind in ("export", "export_failed"):
             export = self._exports.pop(msg[1], None)
             if export is None:  # before the output that announces it
@@ -304,23 +307,54 @@ class EngineProcess(EngineClient):
     async def call(self, method: str, *args, **kwargs) -> object:
         return await self._ask("call", method, args, kwargs)
 
-    async def import_blocks(self, blocks: list[ExportedBlock], cache_salt: str = "") -> int:
-        """As `EngineClient.import_blocks`; the pages cross the pipe raw, not pickled (joined by the
-        writer thread, which must not meet a page it cannot join)."""
+    async def import_blocks(self, blocks: list[ExportedBlock], cache_salt: str = "",
+                            reserved: Optional[SegmentRange] = None) -> int:
+        """As `EngineClient.import_blocks`. Pages that a kvstore get wrote into `reserved` back to back
+        (each block's `shared` names the spot) go as that range, not copied; others are copied into a
+        range of the imports segment, or cross the pipe raw, not pickled (joined by the writer
+        thread, which must not meet a page it cannot join)."""
         for b in blocks:
             if not isinstance(b.data, (bytes, bytearray, memoryview)):
+                self.release_import(reserved)
                 raise ValueError(f"blocks[].data must be bytes, got {type(b.data).__name__}")
         head = ([b.hash for b in blocks], [b.token_ids for b in blocks], cache_salt)
         nbytes = sum(len(b.data) for b in blocks)
+        if reserved is not None and blocks and self._in_place(blocks, reserved) and not self._lost:
+            return await self._ask("import_shared", *head, reserved.offset, nbytes, None,
+                                   holds=(reserved.offset, reserved.nbytes))
+        self.release_import(reserved)
         offset = self._pages.imports.alloc(nbytes) if self._pages is not None and blocks and not self._lost else None
         if offset is None:
             return await self._ask("import", *head, [b.data for b in blocks])
         return await self._ask("import_shared", *head, offset, nbytes, [b.data for b in blocks],
                                holds=(offset, nbytes))
 
+    @staticmethod
+    def _in_place(blocks: list[ExportedBlock], reserved: SegmentRange) -> bool:
+        """Whether the blocks lie in `reserved` back to back from its start, in order."""
+        at = reserved.offset
+        for b in blocks:
+            if b.shared != (reserved.segment, at):
+                return False
+            at += len(b.data)
+        return at <= reserved.offset + reserved.nbytes
+
+    def reserve_import(self, nbytes: int) -> Optional[SegmentRange]:
+        if self._pages is None or self._lost or nbytes <= 0:
+            return None
+        offset = self._pages.imports.alloc(nbytes)
+        if offset is None:
+            return None
+        return SegmentRange(self._pages.imports.name, offset, nbytes, self._pages.imports.view(offset, nbytes))
+
+    def release_import(self, reserved: Optional[SegmentRange]) -> None:
+        if reserved is not None and self._pages is not None:
+            self._pages.imports.free(reserved.offset, reserved.nbytes)
+
     async def _ask(self, kind: str, *parts, holds: Optional[tuple[int, int]] = None) -> object:
         """Sends (kind, id, *parts) and waits for the engine's result of it. `holds`: an imports
-        range the call's pages fill, given back when the result comes (not when a waiter leaves)."""
+        range the call's pages fill, given back when the engine says its copy out of it has landed
+        (not when the result comes, nor when a waiter leaves)."""
         if self._lost:
             raise RuntimeError(self._lost)
         if self._info is None:

@@ -4,8 +4,9 @@ through, so that megabytes of pages never cross a pipe.
 - exports: the engine copies a finished request's pages out of its pool straight into a range it
   takes and sends only the range, from its main thread once the copy has landed; the worker reads
   the pages in place and gives the range back ("release") once it has pushed them to the kvstore.
-- imports: the worker copies the pages of an import into a range it takes, sends the range with
-  the call, and takes the range back when the call's result comes.
+- imports: the worker copies the pages of an import into a range it takes and sends the range
+  with the call; the engine copies them into its pool straight from there and says when that copy
+  has landed ("imported"), and the worker takes the range back then.
 A transfer that finds no room goes through the pipe as before. Why: on the H200 host a burst of
 256 disaggregated 1,024-token prompts exported 1.7 GB of INT4 pages through one pipe, one request
 behind another (docs/benchmarks.md, "Thirty-third session").
@@ -15,6 +16,7 @@ the engine process is still alive; the engine process maps them by name (`CorePa
 """
 from __future__ import annotations
 
+import collections
 import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -79,25 +81,40 @@ class WorkerPages:
 
 class CorePages:
     """The engine process's side: both segments mapped. The engine's exports land straight in
-    ranges of the exports segment (`take`, its `export_space`): on a GPU the segment is page-locked
-    for the device (cudaHostRegister), so the pages' copy out of the pool is the only copy. The main
-    thread takes ranges (in a step) and gives them back (on the worker's "release")."""
+    ranges of the exports segment (`take`, its `export_space`), and imports are copied straight
+    out of the imports segment (`import_rows`): on a GPU both segments are page-locked for the
+    device (cudaHostRegister), so the copy between the pool and the segment is the only copy. The
+    main thread takes export ranges (in a step) and gives them back (on the worker's "release");
+    an import's range stays the worker's until its copy has landed (`mark_import`, `landed_imports`)."""
 
     def __init__(self, names: SegmentNames, device: str = "cpu") -> None:
-        """`device`: the engine's device type ("cuda": the exports segment is page-locked)."""
+        """`device`: the engine's device type ("cuda": the segments are page-locked)."""
         import torch  # the engine process's side only: the worker's imports no torch
 
+        self._torch = torch
+        self._cuda = device == "cuda"
         self.exports = MappedSegment(names.exports, names.size)
         self.imports = MappedSegment(names.imports, names.size)
         self._ranges = RangeAllocator(names.size)
         self._memory = torch.frombuffer(self.exports.buf, dtype=torch.uint8)  # [size], the segment's bytes
-        self._registered = False
-        self.takes_exports = True
-        if device == "cuda":
-            err = torch.cuda.cudart().cudaHostRegister(self._memory.data_ptr(), names.size, 0)
-            self._registered = self.takes_exports = int(err) == 0
-            if not self._registered:  # a copy into pageable memory would wait: exports take the pipe
-                log.warning("exports segment not page-locked (cudaHostRegister: %s); exports use the pipe", err)
+        self._import_memory = torch.frombuffer(self.imports.buf, dtype=torch.uint8)  # [size]
+        self._registered: list = []  # tensors whose memory is page-locked here
+        self._importing: collections.deque = collections.deque()  # (call id, event or None), in call order
+        self.takes_exports = self._register(self._memory, "exports")
+        self.copies_imports = self._register(self._import_memory, "imports")
+
+    def _register(self, memory, what: str) -> bool:
+        """Page-locks a segment for the GPU; on the CPU nothing to do. False: a copy would go
+        through pageable memory and wait, so that direction keeps its staging copy or the pipe."""
+        if not self._cuda:
+            return True
+        err = self._torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), memory.numel(), 0)
+        if int(err) != 0:
+            log.warning("%s segment not page-locked (cudaHostRegister: %s); %s take a staging copy or the pipe",
+                        what, err, what)
+            return False
+        self._registered.append(memory)
+        return True
 
     def take(self, nbytes: int) -> Optional[tuple[int, object]]:
         """(offset, uint8 tensor [nbytes] over it) of a free range, or None if none is that large."""
@@ -107,10 +124,35 @@ class CorePages:
     def release_export(self, offset: int, nbytes: int) -> None:
         self._ranges.free(offset, nbytes)
 
+    def import_rows(self, offset: int, nbytes: int, count: int):
+        """An import's pages as uint8 [count, nbytes / count] over the imports segment, for a copy
+        straight out of it; None where the segment is not page-locked (the pages are then staged)."""
+        if not self.copies_imports or count == 0:
+            return None
+        return self._import_memory[offset:offset + nbytes].view(count, nbytes // count)
+
+    def mark_import(self, call_id: int) -> None:
+        """After an import's copies are queued: its range may be given back once the stream passes here."""
+        event = None
+        if self._cuda:
+            event = self._torch.cuda.Event()
+            event.record()
+        self._importing.append((call_id, event))
+
+    def landed_imports(self, wait: bool) -> list[int]:
+        """Call ids of the imports whose copies out of the segment are done (all, waiting, when `wait`)."""
+        done = []
+        while self._importing and (wait or self._importing[0][1] is None or self._importing[0][1].query()):
+            call_id, event = self._importing.popleft()
+            if event is not None:
+                event.synchronize()
+            done.append(call_id)
+        return done
+
     def close(self) -> None:
-        if self._registered:
-            import torch
-            torch.cuda.cudart().cudaHostUnregister(self._memory.data_ptr())
-        del self._memory
+        for memory in self._registered:
+            self._torch.cuda.cudart().cudaHostUnregister(memory.data_ptr())
+        self._registered.clear()
+        del self._memory, self._import_memory
         self.exports.close()
         self.imports.close()

@@ -106,6 +106,19 @@ class KVCache:
             src = bytes_to_device(pages, torch.uint8, (self.layout.block_bytes,), self.device)  # [n, block_bytes]
             self.pool.index_copy_(0, to_device(block_ids, self.device), src)
 
+    def write_rows(self, block_ids: list[int], rows: torch.Tensor, picks: list[int]) -> None:
+        """Writes rows[picks[i]] into page block_ids[i]. rows: uint8 host memory [n, block_bytes],
+        page-locked where the pool is on a GPU: one queued copy straight out of it, no staging copy
+        (the caller keeps the rows until the stream has passed it: an event recorded after this)."""
+        if tuple(rows.shape) != (rows.shape[0], self.layout.block_bytes) or rows.dtype != torch.uint8:
+            raise ValueError(f"rows must be uint8 [n, {self.layout.block_bytes}], got {rows.dtype} {tuple(rows.shape)}")
+        if not block_ids:
+            return
+        src = rows.to(self.device, non_blocking=True)  # [n, block_bytes]; on the CPU the rows themselves
+        if len(picks) != rows.shape[0]:
+            src = src.index_select(0, to_device(picks, self.device))
+        self.pool.index_copy_(0, to_device(block_ids, self.device), src)
+
     def write_slot(self, slot: int, data: bytes | memoryview) -> None:
         """Writes residual slot `slot` from its bytes (model dtype, [layers, 2, kv_heads, bs, head_dim])."""
         dst = self.residual[slot]
