@@ -58,3 +58,30 @@ def test_gpu_puts_through_the_staging_ring_land_before_any_read():
             reads = store.get_many(list(held)).blocks()
             assert [b.data for b in reads] == list(held.values())
     store.check_integrity()
+
+
+def test_gpu_puts_of_a_call_wait_in_the_ring_and_land_in_order():
+    """Without reads, puts only stage their bytes (at most half the ring waits, then those rows go
+    in one copy); a slot freed by eviction and written again while its first write still waits
+    keeps the later bytes; a flush or any read sends what waits."""
+    slot = 64 << 10
+    store = BlockStore(KVStoreConfig(capacity_blocks=200, block_bytes=slot, device="cuda", high_watermark=1.0,
+                                     low_watermark=0.9))
+    ring = store._primary.slab._staging
+    half = ring.num_rows // 2
+    blocks = [(os.urandom(32), os.urandom(slot - i)) for i in range(3 * half + 5)]
+    for i, (h, d) in enumerate(blocks):
+        store.put(h, d, [i], "L")
+        assert 0 < ring.waiting <= half
+    store.flush()
+    assert ring.waiting == 0
+    assert [store.get(h).data for h, _ in blocks[-10:]] == [d for _, d in blocks[-10:]]
+    # a full store: each put evicts (no host tier), so slots come back while their writes may wait
+    full = BlockStore(KVStoreConfig(capacity_blocks=4, block_bytes=slot, device="cuda", high_watermark=1.0,
+                                    low_watermark=0.75))
+    last = [(os.urandom(32), os.urandom(slot)) for _ in range(40)]
+    for i, (h, d) in enumerate(last):
+        full.put(h, d, [i], "L")
+    held = [(h, d) for h, d in last if full.contains([h])[0]]
+    assert len(held) == 4 and [b.data for b in full.get_many([h for h, _ in held]).blocks()] == [d for _, d in held]
+    full.check_integrity()

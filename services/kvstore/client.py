@@ -77,6 +77,7 @@ class LocalKVStoreClient:
         for b in blocks:
             r = self.store.put(b.hash, b.data, b.token_ids, b.layout, b.crc32)
             held += r is not PutResult.REJECTED
+        self.store.flush()
         return held
 
     async def get(self, hashes: list[bytes], lease_holder: str = "", lease_seconds: float = 0.0,

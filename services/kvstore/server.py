@@ -69,12 +69,15 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         counts = {r: 0 for r in PutResult}
         try:
             with self._timed("put"):
-                async with contextlib.aclosing(blocks):
-                    async for header, data in blocks:
-                        if not header.hash:
-                            raise StreamError("Put: a block header has an empty hash")
-                        counts[self.store.put(header.hash, data, header.token_ids, header.layout,
-                                              header.crc32)] += 1
+                try:
+                    async with contextlib.aclosing(blocks):
+                        async for header, data in blocks:
+                            if not header.hash:
+                                raise StreamError("Put: a block header has an empty hash")
+                            counts[self.store.put(header.hash, data, header.token_ids, header.layout,
+                                                  header.crc32)] += 1
+                finally:  # the call's blocks into GPU memory in one copy
+                    self.store.flush()
         except SegmentUnavailable as exc:  # PutShared from another host or container
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ChecksumError as exc:

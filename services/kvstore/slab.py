@@ -2,7 +2,8 @@
 
 Allocated once, so storing a block never mallocs; a block occupies one slot (its size may be smaller
 than the slot). Free slots are a LIFO stack (reuse the warmest memory first). On the GPU a write goes
-through a pinned `StagingRing` and does not wait for the copy; `copy_out` reads many slots at once:
+into a pinned `StagingRing` row and the rows of a put call reach their slots in one copy at its end
+(`flush`; every read flushes first); `copy_out` reads many slots at once:
 one gather and one device-to-host copy, not one waiting copy a block.
 """
 from __future__ import annotations
@@ -37,9 +38,10 @@ class Slab:
             import torch
             self._gpu = torch.empty((num_slots, slot_bytes), dtype=torch.uint8, device="cuda")  # [S, B]
             self._host = None
-            self._staging = StagingRing(slot_bytes)
+            self._staging = StagingRing(self._gpu)
         else:
             self._gpu = None
+            self._staging = None
             self._host = np.empty((num_slots, slot_bytes), dtype=np.uint8)  # [S, B]
             self._host.fill(0)  # touch every page now, not on the first put into each slot
         self._free = list(range(num_slots - 1, -1, -1))  # stack; pops slot 0 first
@@ -65,11 +67,17 @@ class Slab:
         if self._host is not None:
             self._host[slot, :n] = np.frombuffer(data, dtype=np.uint8)  # [n], no copy of data
             return
-        self._staging.copy_into(self._gpu[slot, :n], data)
+        self._staging.write(slot, data)
+
+    def flush(self) -> None:
+        """Queues the GPU copies of the writes staged so far (a put call's end; reads do it first)."""
+        if self._staging is not None:
+            self._staging.flush()
 
     def read(self, slot: int, size: int) -> bytes:
         if self._host is not None:
             return self._host[slot, :size].tobytes()
+        self.flush()
         return self._gpu[slot, :size].cpu().numpy().tobytes()
 
     def copy_out(self, slots: list[int], sizes: list[int]) -> "SlotCopy":
@@ -79,6 +87,7 @@ class Slab:
         if self._host is not None:
             return SlotCopy(self._host[slots], sizes)  # [n, B] (fancy indexing copies)
         import torch
+        self.flush()
         idx = torch.tensor(slots, dtype=torch.int64).to(self._gpu.device)
         return SlotCopy(self._gpu.index_select(0, idx), sizes)  # [n, B] on the GPU
 
@@ -86,6 +95,7 @@ class Slab:
         """The slot's bytes in place (numpy uint8 [size] or torch uint8 [size] on the GPU), no copy."""
         if self._host is not None:
             return self._host[slot, :size]
+        self.flush()
         return self._gpu[slot, :size]
 
 

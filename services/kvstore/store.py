@@ -160,6 +160,12 @@ class BlockStore:
         self._rejected += 1
         return PutResult.REJECTED
 
+    def flush(self) -> None:
+        """Sends the blocks put so far on their way into GPU memory (a put call's end: on the GPU a
+        put stages its bytes and a call's blocks travel in one copy; every read flushes first)."""
+        if self._primary is not None:
+            self._primary.slab.flush()
+
     def _insert(self, tier: _Tier, block_hash: bytes, entry: _Entry, data) -> bool:
         """Make room in `tier` (evicting by LRU), then copy the block into a free slot."""
         self._make_room(tier)
