@@ -23,9 +23,9 @@ then ("result", id, ok, value), ("imported", id) (an "import_shared"'s range is 
 them; a KV export as `ExportPending`), ("step_failed", error), ("export_shared", request_id,
 hashes, token ids, offset, pages' bytes, tail's bytes) with the pages and then the tail in the
 exports segment (after the output that announces the export) or ("export_failed", request_id, why).
-Socket pair 2 (`PageChannel`), core -> worker: ("export", request_id, hashes, token ids, tail,
-nbytes) and right after it the pages back to back, raw (written from the pinned copy: no pickling,
-no bytes object a page; read in one call), or ("export_failed", request_id, why). An export may arrive before or after the output announcing it.
+Pipe 2, core -> worker: ("export", request_id, hashes, token ids, tail) and right after it the pages
+back to back as one raw message (written from the pinned copy: no pickling, no bytes object a page),
+or ("export_failed", request_id, why). An export may arrive before or after the output announcing it.
 """
 from __future__ import annotations
 
@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING, Optional
 from kvmesh.config import EngineConfig
 from kvmesh.engine.engine_info import EngineInfo
 from kvmesh.engine.outputs import ExportedBlock, KVExport
-from kvmesh.engine.page_channel import PageChannel
 from kvmesh.engine.page_segments import CorePages, SegmentNames
 
 if TYPE_CHECKING:
@@ -68,17 +67,16 @@ def error_of(exc: BaseException) -> tuple[bool, str]:
     return isinstance(exc, ValueError), text
 
 
-def pages_of(hashes: list[bytes], token_ids: list[list[int]], pages: bytes | bytearray | memoryview
-             ) -> list[ExportedBlock]:
-    """Blocks over one buffer of pages back to back, each a view into it (no copy)."""
+def pages_of(hashes: list[bytes], token_ids: list[list[int]], pages: bytes, own: bool = False) -> list[ExportedBlock]:
+    """Blocks over one buffer of pages back to back: views into it (an import, used before the
+    buffer goes), or (own) a bytes object each (an export's blocks, as `KVExport.blocks` gives them)."""
     size = len(pages) // max(1, len(hashes))
-    src = memoryview(pages)
+    src = pages if own else memoryview(pages)  # slicing bytes copies, slicing a view does not
     return [ExportedBlock(h, t, src[i * size:(i + 1) * size]) for i, (h, t) in enumerate(zip(hashes, token_ids))]
 
 
 def run_engine_core(config: EngineConfig, conn: Connection, export_conn: Connection,
                     segments: Optional[SegmentNames] = None) -> None:
-    """`export_conn`: one end of a socket pair (`PageChannel`)."""
     """The engine process's entry point: builds the engine, says so, serves until told to stop or
     the worker's end of the pipe closes. `segments`: the worker's page segments, if it made them."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the worker, which stops this process
@@ -97,14 +95,14 @@ def run_engine_core(config: EngineConfig, conn: Connection, export_conn: Connect
             log.exception("could not map the worker's page segments; pages take the pipes")
     conn.send(("ready", EngineInfo.of(engine), pages is not None))
     try:
-        EngineCore(engine, conn, PageChannel(export_conn), pages).run()
+        EngineCore(engine, conn, export_conn, pages).run()
     finally:
         if pages is not None:
             pages.close()
 
 
 class EngineCore:
-    def __init__(self, engine: LLMEngine, conn: Connection, export_conn: PageChannel,
+    def __init__(self, engine: LLMEngine, conn: Connection, export_conn: Connection,
                  pages: Optional[CorePages] = None) -> None:
         self.engine = engine
         self.conn = conn
@@ -236,6 +234,7 @@ class EngineCore:
                 except Exception as e:  # noqa: BLE001 - the worker's reader of it raises
                     self.export_conn.send(("export_failed", rid, error_of(e)[1]))
                 else:
-                    self.export_conn.send(("export", rid, hashes, token_ids, tail), pages)
+                    self.export_conn.send(("export", rid, hashes, token_ids, tail))
+                    self.export_conn.send_bytes(pages)
             except (OSError, ValueError):  # the worker is gone
                 return

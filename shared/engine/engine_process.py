@@ -32,7 +32,6 @@ from kvmesh.engine.engine_client import EngineClient
 from kvmesh.engine.engine_core import ExportPending, pages_of, run_engine_core
 from kvmesh.engine.engine_info import EngineInfo
 from kvmesh.engine.outputs import ExportedBlock, KVExport, RequestOutput
-from kvmesh.engine.page_channel import PageChannel
 from kvmesh.engine.page_segments import WorkerPages
 from kvmesh.shm_arena import SegmentRange
 
@@ -127,7 +126,7 @@ class EngineProcess(EngineClient):
         self._loop = asyncio.get_running_loop()
         ctx = multiprocessing.get_context("spawn")
         mine, theirs = ctx.Pipe(duplex=True)
-        exports_in, exports_out = ctx.Pipe(duplex=True)  # a socket pair: pages read in one call (PageChannel)
+        exports_in, exports_out = ctx.Pipe(duplex=False)
         if self.shared_memory_bytes > 0 and self._pages is None:
             self._pages = WorkerPages.create(self.shared_memory_bytes)
         names = self._pages.names if self._pages is not None else None
@@ -136,7 +135,7 @@ class EngineProcess(EngineClient):
         proc.start()
         theirs.close()
         exports_out.close()
-        self._proc, self._conn, self._export_conn = proc, mine, PageChannel(exports_in)
+        self._proc, self._conn, self._export_conn = proc, mine, exports_in
         kind, payload, *mapped = await asyncio.to_thread(self._first_message)
         if kind != "ready":
             await asyncio.to_thread(self._reap)
@@ -226,8 +225,8 @@ class EngineProcess(EngineClient):
             try:
                 msg = self._export_conn.recv()
                 if msg[0] == "export":  # the pages follow, raw; cut here, off the loop
-                    _, rid, hashes, token_ids, tail, nbytes = msg
-                    msg = ("export", rid, pages_of(hashes, token_ids, self._export_conn.recv_payload(nbytes)), tail)
+                    _, rid, hashes, token_ids, tail = msg
+                    msg = ("export", rid, pages_of(hashes, token_ids, self._export_conn.recv_bytes(), own=True), tail)
             except (EOFError, OSError):
                 return  # the command pipe reports the end
             self._to_loop(self._on_message, msg)
