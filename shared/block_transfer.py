@@ -136,7 +136,7 @@ class BlockTransfer:
             return PullResult([], 0, 0, 0.0)
         # where the engine copies imports from (an engine process's imports segment): the kvstore
         # writes the pages there, so the worker copies none of them
-        space = engine.reserve_import(len(want) * self.layout.block_bytes)
+        space = await engine.reserve_import(len(want) * self.layout.block_bytes)
         handed = False
         try:
             try:

@@ -81,3 +81,29 @@ async def test_a_pull_lands_in_the_engines_imports_segment(model_dir, node, monk
         await client.close()
         await a.stop()
         await b.stop()
+
+
+async def test_a_reservation_waits_for_room_and_gives_up_in_time(model_dir, monkeypatch):
+    """A pull that finds the imports segment full waits for a range to come back (the pipe's
+    fallback would stage its pages on the engine's main thread); one that cannot fit at all, or
+    finds no room in time, gets None at once or at the deadline."""
+    import kvmesh.engine.engine_process as engine_process_module
+
+    ep = await engine_process(model_dir)
+    try:
+        size = ep._pages.imports.size
+        assert await ep.reserve_import(size + 1) is None  # can never fit: no wait
+        first = await ep.reserve_import(size)
+        waiting = asyncio.create_task(ep.reserve_import(size // 2))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        ep.release_import(first)
+        second = await asyncio.wait_for(waiting, 5)
+        assert (second.offset, second.nbytes) == (0, size // 2)
+        monkeypatch.setattr(engine_process_module, "IMPORT_SPACE_WAIT_S", 0.1)
+        assert await ep.reserve_import(size) is None  # half is held: no room by the deadline
+        ep.release_import(second)
+        assert ep._pages.imports.free_bytes == size
+        del first, second, waiting  # their views, before the segment closes
+    finally:
+        await ep.stop()

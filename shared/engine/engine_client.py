@@ -121,10 +121,10 @@ class EngineClient:
         self.release_import(reserved)
         return await self.call("import_blocks", blocks, cache_salt)
 
-    def reserve_import(self, nbytes: int) -> Optional[SegmentRange]:
+    async def reserve_import(self, nbytes: int) -> Optional[SegmentRange]:
         """A range of shared memory the engine copies imports straight out of, for a kvstore get to
         fill (`import_blocks(..., reserved=)` then takes the pages that lie in it without a copy), or
-        None: this engine has no such memory, or it is full."""
+        None: this engine has no such memory, or none came free in time."""
         return None
 
     def release_import(self, reserved: Optional[SegmentRange]) -> None:

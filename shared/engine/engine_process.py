@@ -37,6 +37,9 @@ from kvmesh.shm_arena import SegmentRange
 
 log = logging.getLogger(__name__)
 
+# how long a pull waits for room in the imports segment before its pages take the command pipe
+IMPORT_SPACE_WAIT_S = 2.0
+
 POLL_S = 0.5  # how often start() checks that a loading process is still alive
 STOP_TIMEOUT_S = 30.0  # a stopping process finishes its step and its exports' copies first
 
@@ -94,6 +97,7 @@ class EngineProcess(EngineClient):
         self.shared_memory_bytes = shared_memory_bytes  # both page segments together (0: the pipes only)
         self._pages: Optional[WorkerPages] = None
         self._import_ranges: dict[int, tuple[int, int]] = {}  # call id -> its imports range, until "imported"
+        self._import_freed = asyncio.Event()  # set when an imports range comes back (reserve_import waits)
         self._info: Optional[EngineInfo] = None
         self._proc: Optional[multiprocessing.process.BaseProcess] = None
         self._conn = None  # commands out, results and outputs in (read on the loop)
@@ -260,7 +264,7 @@ class EngineProcess(EngineClient):
         elif kind == "imported":  # the engine's copy out of the call's imports range has landed
             taken = self._import_ranges.pop(msg[1], None)
             if taken is not None:
-                self._pages.imports.free(*taken)
+                self._free_import(*taken)
         elif kind in ("export", "export_failed"):
             export = self._exports.pop(msg[1], None)
             if export is None:  # before the output that announces it
@@ -293,8 +297,9 @@ class EngineProcess(EngineClient):
                 fut.set_exception(RuntimeError(self._lost))
         self._calls.clear()
         for taken in self._import_ranges.values():
-            self._pages.imports.free(*taken)
+            self._free_import(*taken)
         self._import_ranges.clear()
+        self._import_freed.set()  # waiters for room see the engine gone
         for export in self._exports.values():
             export.fail(self._lost)
         self._exports.clear()
@@ -339,17 +344,32 @@ class EngineProcess(EngineClient):
             at += len(b.data)
         return at <= reserved.offset + reserved.nbytes
 
-    def reserve_import(self, nbytes: int) -> Optional[SegmentRange]:
-        if self._pages is None or self._lost or nbytes <= 0:
+    async def reserve_import(self, nbytes: int) -> Optional[SegmentRange]:
+        """Waits up to IMPORT_SPACE_WAIT_S for the room (imports land and give theirs back within
+        a step or so): an import that finds none takes the command pipe, and the engine's main
+        thread then stages its pages between steps, which every running stream waits for."""
+        if self._pages is None or self._lost or not 0 < nbytes <= self._pages.imports.size:
             return None
-        offset = self._pages.imports.alloc(nbytes)
-        if offset is None:
-            return None
+        deadline = self._loop.time() + IMPORT_SPACE_WAIT_S
+        while (offset := self._pages.imports.alloc(nbytes)) is None:
+            self._import_freed.clear()
+            try:
+                await asyncio.wait_for(self._import_freed.wait(), deadline - self._loop.time())
+            except asyncio.TimeoutError:
+                return None
+            if self._pages is None or self._lost:
+                return None
         return SegmentRange(self._pages.imports.name, offset, nbytes, self._pages.imports.view(offset, nbytes))
 
     def release_import(self, reserved: Optional[SegmentRange]) -> None:
-        if reserved is not None and self._pages is not None:
-            self._pages.imports.free(reserved.offset, reserved.nbytes)
+        if reserved is not None:
+            self._free_import(reserved.offset, reserved.nbytes)
+
+    def _free_import(self, offset: int, nbytes: int) -> None:
+        """An imports range back (on the loop), and its waiters woken."""
+        if self._pages is not None:
+            self._pages.imports.free(offset, nbytes)
+        self._import_freed.set()
 
     async def _ask(self, kind: str, *parts, holds: Optional[tuple[int, int]] = None) -> object:
         """Sends (kind, id, *parts) and waits for the engine's result of it. `holds`: an imports
