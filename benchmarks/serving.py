@@ -174,11 +174,14 @@ def histogram_totals(metrics_url: str, name: str = "time_to_first_token_seconds"
 def stage_totals(gateway_url: str, decode_url: str, prefill_url: str) -> list[tuple[float, float]]:
     """The histograms a disaggregated request's TTFT is made of, beside the gateway's TTFT: the
     gateway's Prefill call; in it, the prefill worker's TTFT, its wait for the pages to leave the
-    engine (export) and its push; then the decode worker's pull and, of it, the get and the import."""
+    engine (export) and its push; then the decode worker's pull and, of it, the get and the import.
+    Then counts: the decode worker's imports by path, the prefill worker's exports by path."""
     moves = [(prefill_url, "export"), (prefill_url, "push"), (decode_url, "pull"), (decode_url, "pull_get"),
              (decode_url, "pull_import")]
     return ([histogram_totals(gateway_url, "prefill_call_seconds"), histogram_totals(prefill_url)]
             + [histogram_totals(url, "worker_transfer_seconds", f'op="{op}"') for url, op in moves]
+            + [counter_total(decode_url, "worker_imports_total", f'path="{p}"')
+               for p in ("in_place", "shared_memory", "pipe")]
             + [counter_total(prefill_url, "worker_exports_total", f'path="{p}"') for p in ("shared_memory", "pipe")])
 
 
@@ -302,10 +305,12 @@ def main() -> None:
                     st0 = stage_totals(url + "/metrics", metrics, prefill) if prefill else []
                     row = served_row(*clients.burst(url, mid, ld, a.concurrency), ld)
                     st1 = stage_totals(url + "/metrics", metrics, prefill) if prefill else []
-                    stages = [mean_ttft_ms(s0, s1) for s0, s1 in zip(st0[:-2], st1[:-2])]
-                    shared = [x1 - x0 for x0, x1 in zip(st0[-2:], st1[-2:])] if prefill else []
+                    stages = [mean_ttft_ms(s0, s1) for s0, s1 in zip(st0[:-5], st1[:-5])]
+                    counts = [x1 - x0 for x0, x1 in zip(st0[-5:], st1[-5:])] if prefill else []
                     return dict(row, preemptions=preemptions(metrics) - before, stages=stages,
-                                shared_exports="%.0f of %.0f" % (shared[0], sum(shared)) if shared else "-",
+                                shared_exports="%.0f of %.0f" % (counts[3], sum(counts[3:])) if counts else "-",
+                                imports="%.0f in place, %.0f copied in, %.0f pipe" % tuple(counts[:3])
+                                if counts else "-",
                                 ttft_means=(sum(row["ttft"]) / len(row["ttft"]) * 1e3,
                                             mean_ttft_ms(gw0, histogram_totals(url + "/metrics")),
                                             mean_ttft_ms(wk0, histogram_totals(metrics))))
@@ -326,7 +331,8 @@ def main() -> None:
                 if row.get("stages"):
                     split += (" (mean ms: gateway's prefill call %.0f: prefill worker TTFT %.0f, export %.0f,"
                               " push %.0f; decode worker pull %.0f: get %.0f, import %.0f)" % tuple(row["stages"]))
-                    split += " (exports through shared memory: %s)" % row["shared_exports"]
+                    split += " (exports through shared memory: %s; decode imports: %s)" % (
+                        row["shared_exports"], row["imports"])
                 print(f"round {r} {name}: {row['tokens_s']:.0f} tokens/s{split}", flush=True)
                 if name not in best or row["tokens_s"] > best[name]["tokens_s"]:
                     best[name] = row

@@ -70,6 +70,8 @@ class TransferMetrics:
                                  ["op"], buckets=TRANSFER_BUCKETS, registry=registry)
         self.exports = Counter(PREFIX + "worker_exports", "Finished prompts' KV exports from the engine process, "
                                "by the way their pages came (shared_memory | pipe).", ["path"], registry=registry)
+        self.imports = Counter(PREFIX + "worker_imports", "Imports into the engine, by the way their pages came "
+                               "(in_place | shared_memory | pipe | in_process).", ["path"], registry=registry)
         self.errors = Counter(PREFIX + "worker_transfer_errors", "kvstore calls that failed (recomputed).",
                               ["op"], registry=registry)
 
@@ -88,6 +90,9 @@ class TransferMetrics:
     def exported(self, seconds: float, shared: bool) -> None:
         self.seconds.labels("export").observe(seconds)
         self.exports.labels("shared_memory" if shared else "pipe").inc()
+
+    def imported(self, path: str) -> None:
+        self.imports.labels(path).inc()
 
     def pushed(self, r: "PushResult") -> None:
         self.blocks.labels("pushed").inc(r.stored)

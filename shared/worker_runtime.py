@@ -218,6 +218,7 @@ class Worker:
         model_id = f"{info.model_id}|kc:{centers}" if centers else info.model_id  # pages hold centered keys
         self.transfer = BlockTransfer(kvstore, info.layout, model_id, self.runtime.holder,
                                       cfg.lease_seconds, TransferMetrics(self.runtime.metrics.registry))
+        engine.on_import = self.transfer.metrics.imported
 
     @property
     def address(self) -> str:

@@ -356,6 +356,8 @@ async def test_health_metrics_and_bad_requests(stack: Stack):
     assert "kvmesh:e2e_request_latency_seconds" in body and "kvmesh:kv_cache_usage_perc" in body
     pulled = [ln for ln in body.splitlines() if ln.startswith('kvmesh:worker_blocks_total{op="pulled"}')]
     assert pulled and float(pulled[0].split()[-1]) > 0  # the prefilled prompts' blocks came from the store
+    imports = [ln for ln in body.splitlines() if ln.startswith('kvmesh:worker_imports_total{path="in_process"}')]
+    assert imports and float(imports[0].split()[-1]) > 0  # engines on a thread here
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await stack.prefill_stub().Prefill(pb.PrefillRequest(
             prompt_token_ids=[1, 2], sampling=pb.SamplingParams(temperature=-1.0)))

@@ -160,7 +160,10 @@ async def test_kv_export_import_and_resume_across_processes(model_dir, shared):
             await b.import_blocks([ExportedBlock(exp.blocks[0].hash, exp.blocks[0].token_ids, b"short")])
         with pytest.raises(ValueError, match="must be bytes"):  # refused before the pipe's writer sees it
             await b.import_blocks([ExportedBlock(exp.blocks[0].hash, exp.blocks[0].token_ids, "text")])
+        paths = []
+        b.on_import = paths.append
         assert await b.import_blocks(exp.blocks) == 2
+        assert paths == ["shared_memory" if shared else "pipe"]
         if shared:  # the import's range is back once the engine's copy out of it has landed
             await until(lambda: b._pages.imports.free_bytes == b._pages.imports.size)
         assert [h for kind, h in await b.call("drain_kv_events") if kind == "stored"] == [x.hash for x in exp.blocks]

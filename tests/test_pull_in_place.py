@@ -64,7 +64,10 @@ async def test_a_pull_lands_in_the_engines_imports_segment(model_dir, node, monk
         assert (await ta.push(exp.blocks)).stored == 3
         exp.release()
         missing = b"m" * 32
+        paths = []
+        b.on_import = paths.append
         r = await tb.pull(b, [x.hash for x in exp.blocks] + [missing])
+        assert paths == ["in_place"]
         assert r.imported == [x.hash for x in exp.blocks] and r.missing == 1
         assert fills == []  # the worker copied no page: the kvstore wrote them where the engine reads
         assert node._servicer.segments._open.keys() >= {b._pages.imports.name}

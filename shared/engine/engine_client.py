@@ -27,6 +27,9 @@ class EngineClient:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.on_lost: Optional[Callable[[str], None]] = None
         """Called on the loop, with why, if the engine dies on its own (an engine process can)."""
+        self.on_import: Optional[Callable[[str], None]] = None
+        """Called with the way each import's pages reach the engine: in_place (a kvstore get wrote
+        them where the engine reads), shared_memory (copied there), pipe, or in_process."""
 
     # ---- what a subclass provides ----
     @property
@@ -119,7 +122,12 @@ class EngineClient:
         """Puts pages computed elsewhere into the engine's prefix cache; returns how many it took.
         `reserved`: a range `reserve_import` gave, which the call takes over (whatever happens)."""
         self.release_import(reserved)
+        self._imported("in_process")
         return await self.call("import_blocks", blocks, cache_salt)
+
+    def _imported(self, path: str) -> None:
+        if self.on_import is not None:
+            self.on_import(path)
 
     async def reserve_import(self, nbytes: int) -> Optional[SegmentRange]:
         """A range of shared memory the engine copies imports straight out of, for a kvstore get to

@@ -325,12 +325,15 @@ class EngineProcess(EngineClient):
         head = ([b.hash for b in blocks], [b.token_ids for b in blocks], cache_salt)
         nbytes = sum(len(b.data) for b in blocks)
         if reserved is not None and blocks and self._in_place(blocks, reserved) and not self._lost:
+            self._imported("in_place")
             return await self._ask("import_shared", *head, reserved.offset, nbytes, None,
                                    holds=(reserved.offset, reserved.nbytes))
         self.release_import(reserved)
         offset = self._pages.imports.alloc(nbytes) if self._pages is not None and blocks and not self._lost else None
         if offset is None:
+            self._imported("pipe")
             return await self._ask("import", *head, [b.data for b in blocks])
+        self._imported("shared_memory")
         return await self._ask("import_shared", *head, offset, nbytes, [b.data for b in blocks],
                                holds=(offset, nbytes))
 
