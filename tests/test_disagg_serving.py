@@ -345,6 +345,7 @@ async def test_short_prompt_with_do_prefill(stack: Stack):
 
 @pytest.mark.parametrize("stack", ["auto"], indirect=True)
 async def test_health_metrics_and_bad_requests(stack: Stack):
+    await _disagg(stack, _prompt(40), _greedy(2))  # a prefill hop: the decode worker pulls its pages
     for ch in stack.channels:
         reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""))
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -355,7 +356,7 @@ async def test_health_metrics_and_bad_requests(stack: Stack):
     assert resp.status == 200
     assert "kvmesh:e2e_request_latency_seconds" in body and "kvmesh:kv_cache_usage_perc" in body
     pulled = [ln for ln in body.splitlines() if ln.startswith('kvmesh:worker_blocks_total{op="pulled"}')]
-    assert pulled and float(pulled[0].split()[-1]) > 0  # the prefilled prompts' blocks came from the store
+    assert pulled and float(pulled[0].split()[-1]) > 0  # the prefilled prompt's blocks came from the store
     imports = [ln for ln in body.splitlines() if ln.startswith('kvmesh:worker_imports_total{path="in_process"}')]
     assert imports and float(imports[0].split()[-1]) > 0  # engines on a thread here
     with pytest.raises(grpc.aio.AioRpcError) as e:
