@@ -96,8 +96,6 @@ class EngineProcess(EngineClient):
         self.config = config
         self.shared_memory_bytes = shared_memory_bytes  # both page segments together (0: the pipes only)
         self._pages: Optional[WorkerPages] = None
-        self._import_ranges: dict[int, tuple[int, int]] = {}  # call id -> its imports range, until "imported"
-        self._import_freed = asyncio.Event()  # set when an imports range comes back (reserve_import waits)
         self._info: Optional[EngineInfo] = None
         self._proc: Optional[multiprocessing.process.BaseProcess] = None
         self._conn = None  # commands out, results and outputs in (read on the loop)
@@ -262,9 +260,8 @@ class EngineProcess(EngineClient):
             if fut is not None and not fut.done():
                 fut.set_result(value) if ok else fut.set_exception(_raise_as(value))
         elif kind == "imported":  # the engine's copy out of the call's imports range has landed
-            taken = self._import_ranges.pop(msg[1], None)
-            if taken is not None:
-                self._free_import(*taken)
+            if self._pages is not None:
+                self._pages.landed(msg[1])
         elif kind in ("export", "export_failed"):
             export = self._exports.pop(msg[1], None)
             if export is None:  # before the output that announces it
@@ -296,10 +293,8 @@ class EngineProcess(EngineClient):
             if not fut.done():
                 fut.set_exception(RuntimeError(self._lost))
         self._calls.clear()
-        for taken in self._import_ranges.values():
-            self._free_import(*taken)
-        self._import_ranges.clear()
-        self._import_freed.set()  # waiters for room see the engine gone
+        if self._pages is not None:
+            self._pages.give_back_held()  # and wakes the waiters for room, which see the engine gone
         for export in self._exports.values():
             export.fail(self._lost)
         self._exports.clear()
@@ -324,7 +319,7 @@ class EngineProcess(EngineClient):
                 raise ValueError(f"blocks[].data must be bytes, got {type(b.data).__name__}")
         head = ([b.hash for b in blocks], [b.token_ids for b in blocks], cache_salt)
         nbytes = sum(len(b.data) for b in blocks)
-        if reserved is not None and blocks and self._in_place(blocks, reserved) and not self._lost:
+        if reserved is not None and blocks and WorkerPages.in_place(blocks, reserved) and not self._lost:
             self._imported("in_place")
             return await self._ask("import_shared", *head, reserved.offset, nbytes, None,
                                    holds=(reserved.offset, reserved.nbytes))
@@ -337,42 +332,22 @@ class EngineProcess(EngineClient):
         return await self._ask("import_shared", *head, offset, nbytes, [b.data for b in blocks],
                                holds=(offset, nbytes))
 
-    @staticmethod
-    def _in_place(blocks: list[ExportedBlock], reserved: SegmentRange) -> bool:
-        """Whether the blocks lie in `reserved` back to back from its start, in order."""
-        at = reserved.offset
-        for b in blocks:
-            if b.shared != (reserved.segment, at):
-                return False
-            at += len(b.data)
-        return at <= reserved.offset + reserved.nbytes
-
     async def reserve_import(self, nbytes: int) -> Optional[SegmentRange]:
         """Waits up to IMPORT_SPACE_WAIT_S for the room (imports land and give theirs back within
         a step or so): an import that finds none takes the command pipe, and the engine's main
         thread then stages its pages between steps, which every running stream waits for."""
-        if self._pages is None or self._lost or not 0 < nbytes <= self._pages.imports.size:
+        pages = self._pages
+        if pages is None or self._lost:
             return None
-        deadline = self._loop.time() + IMPORT_SPACE_WAIT_S
-        while (offset := self._pages.imports.alloc(nbytes)) is None:
-            self._import_freed.clear()
-            try:
-                await asyncio.wait_for(self._import_freed.wait(), deadline - self._loop.time())
-            except asyncio.TimeoutError:
-                return None
-            if self._pages is None or self._lost:
-                return None
-        return SegmentRange(self._pages.imports.name, offset, nbytes, self._pages.imports.view(offset, nbytes))
+        reserved = await pages.reserve(nbytes, IMPORT_SPACE_WAIT_S)
+        if reserved is not None and self._lost:  # the engine went while this waited
+            pages.give_back(reserved.offset, reserved.nbytes)
+            return None
+        return reserved
 
     def release_import(self, reserved: Optional[SegmentRange]) -> None:
-        if reserved is not None:
-            self._free_import(reserved.offset, reserved.nbytes)
-
-    def _free_import(self, offset: int, nbytes: int) -> None:
-        """An imports range back (on the loop), and its waiters woken."""
-        if self._pages is not None:
-            self._pages.imports.free(offset, nbytes)
-        self._import_freed.set()
+        if reserved is not None and self._pages is not None:
+            self._pages.give_back(reserved.offset, reserved.nbytes)
 
     async def _ask(self, kind: str, *parts, holds: Optional[tuple[int, int]] = None) -> object:
         """Sends (kind, id, *parts) and waits for the engine's result of it. `holds`: an imports
@@ -386,7 +361,7 @@ class EngineProcess(EngineClient):
         fut = self._loop.create_future()
         self._calls[cid] = fut
         if holds is not None:
-            self._import_ranges[cid] = holds
+            self._pages.hold(cid, *holds)
         self._outbox.put((kind, cid, *parts))
         return await fut
 

@@ -16,12 +16,13 @@ the engine process is still alive; the engine process maps them by name (`CorePa
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from kvmesh.shm_arena import MappedSegment, RangeAllocator, ShmArena
+from kvmesh.shm_arena import MappedSegment, RangeAllocator, SegmentRange, ShmArena
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,8 @@ class SegmentNames:
 
 class WorkerPages:
     """The worker's side: owns both segments and the imports' ranges (taken and given back on the
-    worker's event loop; the writer thread only copies into a taken range)."""
+    worker's event loop; the writer thread only copies into a taken range). An import's range is
+    held by its call until the engine says its copy out of it has landed (`hold`, `landed`)."""
 
     def __init__(self, exports: ShmArena, imports: ShmArena) -> None:
         self.exports = exports
@@ -45,6 +47,9 @@ class WorkerPages:
         # exported pages are read through a mapping of their own, so that views still held when the
         # worker stops keep that mapping alive and the segment itself still closes and unlinks
         self._export_reader = MappedSegment(exports.name, exports.size)
+        self._held: dict[int, tuple[int, int]] = {}  # call id -> its imports range, until "imported"
+        self._freed = asyncio.Event()  # set whenever an imports range comes back (`reserve` waits)
+        self.closed = False
 
     @classmethod
     def create(cls, total_bytes: int) -> Optional["WorkerPages"]:
@@ -65,6 +70,56 @@ class WorkerPages:
     def export_view(self, offset: int, nbytes: int) -> memoryview:
         return self._export_reader.view(offset, nbytes)
 
+    async def reserve(self, nbytes: int, timeout: float) -> Optional[SegmentRange]:
+        """A free imports range of `nbytes`, waiting up to `timeout` s for ranges to come back; None
+        if it can never fit, none came free in time, or the segments closed meanwhile."""
+        if not 0 < nbytes <= self.imports.size or self.closed:
+            return None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (offset := self.imports.alloc(nbytes)) is None:
+            self._freed.clear()
+            try:
+                await asyncio.wait_for(self._freed.wait(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                return None
+            if self.closed:
+                return None
+        return SegmentRange(self.imports.name, offset, nbytes, self.imports.view(offset, nbytes))
+
+    def give_back(self, offset: int, nbytes: int) -> None:
+        """An imports range back, and whoever waits for room woken."""
+        self.imports.free(offset, nbytes)
+        self._freed.set()
+
+    def hold(self, call_id: int, offset: int, nbytes: int) -> None:
+        """The range an import call's pages lie in, kept until `landed(call_id)`."""
+        self._held[call_id] = (offset, nbytes)
+
+    def landed(self, call_id: int) -> None:
+        """The engine's copy out of the call's range has landed ("imported"): the range comes back."""
+        taken = self._held.pop(call_id, None)
+        if taken is not None:
+            self.give_back(*taken)
+
+    def give_back_held(self) -> None:
+        """Every held range back (the engine process is gone: no "imported" will come)."""
+        for taken in self._held.values():
+            self.imports.free(*taken)
+        self._held.clear()
+        self._freed.set()
+
+    @staticmethod
+    def in_place(blocks: Sequence, reserved: SegmentRange) -> bool:
+        """Whether the blocks (ExportedBlock) lie in `reserved` back to back from its start, in order
+        (each block's `shared` names its spot)."""
+        at = reserved.offset
+        for b in blocks:
+            if b.shared != (reserved.segment, at):
+                return False
+            at += len(b.data)
+        return at <= reserved.offset + reserved.nbytes
+
     @staticmethod
     def fill(view: memoryview, pages: Sequence[bytes | memoryview]) -> None:
         """Copies pages back to back into a taken range's view."""
@@ -74,6 +129,8 @@ class WorkerPages:
             at += len(p)
 
     def close(self) -> None:
+        self.closed = True
+        self._freed.set()  # waiters for room see the segments gone
         self._export_reader.close()
         self.exports.close()
         self.imports.close()
