@@ -4,6 +4,7 @@
         [--requests 256] [--prompt-len 1024] [--new-tokens 128] [--spread 0.75] [--concurrency 0]
         [--kv-memory-mib 512] [--max-num-seqs 256] [--reps 2] [--device cuda] [--out table.md]
         [--max-chunk-rates 5000] [--engine-process on,off] [--engine-shared-memory-mib 256,0] [--num-kvstore 1,2] [--trees base=/path/to/dir,new=]
+        [--put-yield-seconds 0,0.02]
 
 What a user of the API gets next to what the engine could give on the same machine, the same load:
 - "engine": `LLM`'s engine in this process, every request added at once and stepped to the end
@@ -15,7 +16,8 @@ What a user of the API gets next to what the engine could give on the same machi
   worker through the kvstore).
 Each served topology runs a stack per --max-chunk-rates value, per --num-kvstore value and per
 --engine-process value (on: the workers' engines in processes of their own, the default; off: in a
-thread of the worker's process), per --engine-shared-memory-mib value (this tree's stacks only)
+thread of the worker's process), per --engine-shared-memory-mib and --put-yield-seconds value (the
+kvstore's pulls-first gate; this tree's stacks only)
 and per --trees entry (name=DIR: the stack's services import `kvmesh` from DIR, put first on their
 PYTHONPATH; an empty DIR: this process's `kvmesh`), so two versions of the code run side by side.
 Every setup gets the same pool bytes, flags and requests: prompts of random token ids and greedy
@@ -247,6 +249,8 @@ def main() -> None:
     ap.add_argument("--engine-shared-memory-mib", default="",
                     help="e.g. 256,0: a stack for each (the working tree's stacks only; default: the workers' own)")
     ap.add_argument("--num-kvstore", default="1", help="kvstore nodes, e.g. 1,2: a stack for each")
+    ap.add_argument("--put-yield-seconds", default="",
+                    help="e.g. 0,0.02: the kvstore's --put-yield-seconds, a stack for each (this tree's stacks only)")
     ap.add_argument("--trees", default="",
                     help="name=DIR,...: a stack per source tree (DIR holds the kvmesh package; empty: this one's)")
     ap.add_argument("--kv-memory-mib", type=int, default=512)
@@ -281,9 +285,11 @@ def main() -> None:
             trees = [t.split("=", 1) for t in a.trees.split(",")] if a.trees else [("", "")]
             # --engine-shared-memory-mib reaches this tree's stacks only (other trees may not know it)
             shm_values = a.engine_shared_memory_mib.split(",") if a.engine_shared_memory_mib else [""]
-            for rate, proc, nodes, (tree, src), shm in (
-                    (r, p, n, t, m) for r in a.max_chunk_rates.split(",") for p in a.engine_process.split(",")
-                    for n in a.num_kvstore.split(",") for t in trees for m in (shm_values if not t[1] else [""])):
+            yields = a.put_yield_seconds.split(",") if a.put_yield_seconds else [""]
+            for rate, proc, nodes, (tree, src), shm, put_yield in (
+                    (r, p, n, t, m, y) for r in a.max_chunk_rates.split(",") for p in a.engine_process.split(",")
+                    for n in a.num_kvstore.split(",") for t in trees for m in (shm_values if not t[1] else [""])
+                    for y in (yields if not t[1] else [""])):
                 metrics_port, prefill_port = free_port(), free_port()
                 where = ("--engine-process",) if proc == "on" else ("--no-engine-process",)
                 if shm:
@@ -291,7 +297,9 @@ def main() -> None:
                 cfg = StackConfig(model=model, kv_cache_dtype=a.kv_cache_dtype, port=0,
                                   engine_flags=engine_flags(a, longest), num_prefill=TOPOLOGIES[name],
                                   num_kvstore=int(nodes),
-                                  log_level="warning", extra_args=(("decode", (
+                                  log_level="warning", extra_args=(
+                                      ("kvstore", ("--put-yield-seconds", put_yield) if put_yield else ()),
+                                      ("decode", (
                                       "--max-chunk-rate", rate, "--metrics-port", str(metrics_port), *where)),
                                       ("prefill", (*where, "--metrics-port", str(prefill_port)))))
                 stack = _start_from(src, cfg)
@@ -316,7 +324,8 @@ def main() -> None:
                                             mean_ttft_ms(wk0, histogram_totals(metrics))))
                 setups[f"{name}, chunk rate {rate}, engine process {proc}"
                        + (f", {nodes} kvstores" if nodes != "1" else "") + (f", {tree}" if tree else "")
-                       + (f", engine shm {shm} MiB" if shm else "")] = run
+                       + (f", engine shm {shm} MiB" if shm else "")
+                       + (f", put yield {put_yield} s" if put_yield else "")] = run
         best: dict[str, dict] = {}
         order = list(setups.items())
         for r, ld in enumerate(loads):

@@ -233,6 +233,9 @@ class Metrics:
         self.store_blocks_evicted = Counter(PREFIX + "store_blocks_evicted", "Blocks evicted (LRU).", registry=r)
         self.store_bytes_in = Counter(PREFIX + "store_bytes_in", "Block bytes received (put).", registry=r)
         self.store_bytes_out = Counter(PREFIX + "store_bytes_out", "Block bytes sent (get).", registry=r)
+        self.store_put_wait_seconds = Counter(PREFIX + "store_put_wait_seconds",
+                                              "Seconds put calls gave way to gets in progress (pulls first).",
+                                              registry=r)
         self.store_transfer_seconds = Histogram(PREFIX + "store_transfer_seconds",
                                                 "Duration of one put or get stream.", ["op"],
                                                 buckets=TRANSFER_BUCKETS, registry=r)
@@ -254,13 +257,14 @@ class Metrics:
             self._advance(name, getattr(self, name), getattr(stats, name))
 
     def update_from_store_stats(self, *, blocks_held: int, capacity_blocks: int, blocks_evicted: int,
-                                bytes_in: int, bytes_out: int) -> None:
+                                bytes_in: int, bytes_out: int, put_wait_seconds: float = 0.0) -> None:
         """Copy a kvstore's cumulative counters (as in StatsReply) into the metrics."""
         self.store_blocks_held.set(blocks_held)
         self.store_capacity_blocks.set(capacity_blocks)
         self._advance("store_blocks_evicted", self.store_blocks_evicted, blocks_evicted)
         self._advance("store_bytes_in", self.store_bytes_in, bytes_in)
         self._advance("store_bytes_out", self.store_bytes_out, bytes_out)
+        self._advance("store_put_wait_seconds", self.store_put_wait_seconds, put_wait_seconds)
 
     @contextlib.contextmanager
     def time_transfer(self, op: str) -> Iterator[None]:

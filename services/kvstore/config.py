@@ -40,6 +40,9 @@ class KVStoreConfig:
     """--chunk-bytes: data bytes per stream message."""
     publish_interval: float = 0.05
     """--publish-interval: seconds between batched index updates."""
+    put_yield_seconds: float = 0.0
+    """--put-yield-seconds: pulls before pushes: every few blocks a put call waits up to this long
+    for the gets in progress to finish (PullGate); 0 = calls take turns in arrival order."""
     metrics_port: Optional[int] = None
     """--metrics-port: serve Prometheus GET /metrics on this port (0: any free port); none = off."""
 
@@ -73,6 +76,8 @@ class KVStoreConfig:
             raise ValueError(f"--chunk-bytes must be >= 4096, got {self.chunk_bytes}")
         if self.publish_interval <= 0:
             raise ValueError(f"--publish-interval must be positive, got {self.publish_interval}")
+        if self.put_yield_seconds < 0:
+            raise ValueError(f"--put-yield-seconds must be >= 0, got {self.put_yield_seconds}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://", "http://", "https://")):
@@ -110,6 +115,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--device", choices=["auto", "cpu", "cuda"], default=d.device, help="where the pool lives")
     add("--chunk-bytes", type=int, default=d.chunk_bytes, help="data bytes per stream message")
     add("--publish-interval", type=float, default=d.publish_interval, help="seconds between index updates")
+    add("--put-yield-seconds", type=float, default=d.put_yield_seconds,
+        help="pulls first: a put call waits up to this long, every few blocks, for gets in progress (0: off)")
     add("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (default: off)")
     return parser
 
@@ -121,4 +128,5 @@ def from_args(args: argparse.Namespace) -> KVStoreConfig:
         host_tier_bytes=args.host_tier_bytes, high_watermark=args.high_watermark,
         low_watermark=args.low_watermark, lease_seconds=args.lease_seconds, redis_url=args.redis_url,
         advertise_address=args.advertise_address, device=args.device, chunk_bytes=args.chunk_bytes,
-        publish_interval=args.publish_interval, metrics_port=args.metrics_port)
+        publish_interval=args.publish_interval, put_yield_seconds=args.put_yield_seconds,
+        metrics_port=args.metrics_port)

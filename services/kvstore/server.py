@@ -19,6 +19,7 @@ from kvmesh.kvstore.chunks import (GRPC_OPTIONS, StreamError, assemble, batch_ch
 from kvmesh.kvstore.config import KVStoreConfig
 from kvmesh.kvstore.malloc import tune_malloc
 from kvmesh.kvstore.publisher import IndexPublisher
+from kvmesh.kvstore.pull_gate import PullGate
 from kvmesh.kvstore.shm_segments import SegmentUnavailable, SharedSegments
 from kvmesh.kvstore.store import BlockStore, ChecksumError, PutResult
 from kvmesh.telemetry import Metrics, MetricsServer, start_metrics_server
@@ -39,10 +40,12 @@ async def _assembled(chunks):
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
-    def __init__(self, store: BlockStore, chunk_bytes: int, metrics: Metrics | None = None) -> None:
+    def __init__(self, store: BlockStore, chunk_bytes: int, metrics: Metrics | None = None,
+                 gate: PullGate | None = None) -> None:
         self.store = store
         self.chunk_bytes = chunk_bytes
         self.metrics = metrics
+        self.gate = gate if gate is not None else PullGate(0.0)  # pulls before pushes (off: arrival order)
         self.segments = SharedSegments()  # clients' shared memory (PutShared / GetShared)
 
     def _timed(self, op: str):
@@ -65,17 +68,21 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 yield b.header, data
 
     async def _put(self, blocks, context: grpc.aio.ServicerContext) -> pb.PutReply:
-        """Stores (header, data) pairs as they come; a bad one ends the call with its status."""
+        """Stores (header, data) pairs as they come, giving way to gets between slices (PullGate);
+        a bad one ends the call with its status."""
         counts = {r: 0 for r in PutResult}
         try:
             with self._timed("put"):
                 try:
                     async with contextlib.aclosing(blocks):
+                        stored = 0
                         async for header, data in blocks:
                             if not header.hash:
                                 raise StreamError("Put: a block header has an empty hash")
                             counts[self.store.put(header.hash, data, header.token_ids, header.layout,
                                                   header.crc32)] += 1
+                            stored += 1
+                            await self.gate.after_block(stored)
                 finally:  # the call's blocks into GPU memory in one copy
                     self.store.flush()
         except SegmentUnavailable as exc:  # PutShared from another host or container
@@ -111,13 +118,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         """(hashes, blocks or None) of a get, leased first: later blocks must survive while earlier
         ones stream. The blocks held in GPU memory come in one copy, waited for off the event loop."""
         hashes = list(request.hashes)
-        self.store.lease(hashes, request.lease_holder, request.lease_seconds)
-        return hashes, await self.store.get_many(hashes, request.lease_holder, request.lease_seconds).gather()
+        with self.gate.pulling():
+            self.store.lease(hashes, request.lease_holder, request.lease_seconds)
+            return hashes, await self.store.get_many(hashes, request.lease_holder, request.lease_seconds).gather()
 
     async def GetShared(self, request: pb.SharedGet, context: grpc.aio.ServicerContext) -> pb.SharedBlocks:
         out = []
         try:
-            with self._timed("get"):
+            with self._timed("get"), self.gate.pulling():  # until its blocks are in the segment
                 hashes, blocks = await self._read(request.request)
                 offset, end = request.offset, request.offset + request.capacity
                 for h, block in zip(hashes, blocks):
@@ -201,7 +209,8 @@ class KVStoreServer:
     async def start(self) -> int:
         tune_malloc()
         server = grpc.aio.server(options=GRPC_OPTIONS + [("grpc.so_reuseport", 0)])
-        servicer = self._servicer = KVStoreServicer(self.store, self.cfg.chunk_bytes, self.metrics)
+        servicer = self._servicer = KVStoreServicer(self.store, self.cfg.chunk_bytes, self.metrics,
+                                                    PullGate(self.cfg.put_yield_seconds))
         server.add_generic_rpc_handlers((servicer.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         self.port = server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
@@ -229,7 +238,7 @@ class KVStoreServer:
         s = self.store.stats()
         self.metrics.update_from_store_stats(blocks_held=s.blocks_held, capacity_blocks=s.capacity_blocks,
                                              blocks_evicted=s.blocks_evicted, bytes_in=s.bytes_in,
-                                             bytes_out=s.bytes_out)
+                                             bytes_out=s.bytes_out, put_wait_seconds=self._servicer.gate.waited_s)
 
     async def stop(self, grace: float = 2.0) -> None:
         """Stop taking work, let streams in flight finish for `grace` s, withdraw from the index."""
