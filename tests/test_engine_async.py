@@ -82,6 +82,30 @@ async def test_bad_request_raises_and_cancel_frees_blocks(model_dir):
         await ae.stop()
 
 
+async def test_a_caller_gone_while_its_request_is_being_added_aborts_it(model_dir):
+    """Cancelled while add_request waits for the engine thread, the request was added all the same:
+    leaving must abort it, not leave it generating for nobody (a soak's abandoned streams did)."""
+    import time as _time
+    ae = AsyncEngine(make(model_dir))
+    await ae.start()
+    try:
+        busy = asyncio.create_task(ae.run(lambda e: _time.sleep(0.3)))  # the engine thread is busy
+        await asyncio.sleep(0.05)
+        stream = asyncio.create_task(collect(ae, "gone", random_prompts(1, 20, 20, seed=5)[0],
+                                             SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)))
+        await asyncio.sleep(0.05)  # its add_request waits behind the busy call
+        stream.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stream
+        await busy
+        await ae.run(lambda e: None)  # the add, then the abort, have run
+        st = await ae.run(lambda e: e.stats())
+        assert not await ae.run(lambda e: e.has_unfinished())
+        assert st.kv_cache_usage == 0.0 and st.num_running == 0
+    finally:
+        await ae.stop()
+
+
 async def test_import_blocks_and_resume_through_the_async_api(model_dir):
     from kvmesh.engine.outputs import ResumeState
     prompt = random_prompts(1, 37, 37, seed=3)[0]

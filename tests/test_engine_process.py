@@ -133,6 +133,25 @@ async def test_errors_cross_as_their_kind_and_a_closed_stream_aborts(model_dir):
         await ep.call("stats")
 
 
+async def test_a_caller_gone_while_its_request_is_being_added_aborts_it(model_dir):
+    ep = await started(model_dir)
+    try:
+        for i in range(3):
+            gen = ep.generate(f"gone{i}", random_prompts(1, 20, 20, seed=6 + i)[0],
+                              SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+            first = asyncio.ensure_future(gen.__anext__())
+            await asyncio.sleep(0)  # add_request is on its way to the engine process
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            await gen.aclose()
+            # the pipe keeps order: the add, then its abort, then this call
+            assert not await ep.call("has_unfinished")
+        assert (await ep.call("stats")).kv_cache_usage == 0.0
+    finally:
+        await ep.stop()
+
+
 @pytest.mark.parametrize("shared", [0, 8 << 20], ids=["pipes", "shared-memory"])
 async def test_kv_export_import_and_resume_across_processes(model_dir, shared):
     prompt = random_prompts(1, 37, 37, seed=3)[0]

@@ -86,11 +86,16 @@ class EngineClient:
         q = OutputCollector(output_kind)
         self._queues[request_id] = q
         self._added(request_id, prompt_token_ids)
-        finished = added = False
+        finished = False
         try:
-            await self.call("add_request", request_id, prompt_token_ids, params, cache_salt=cache_salt,
-                            export_kv=export_kv, hand_off=hand_off, resume=resume, output_kind=output_kind)
-            added = True
+            try:
+                await self.call("add_request", request_id, prompt_token_ids, params, cache_salt=cache_salt,
+                                export_kv=export_kv, hand_off=hand_off, resume=resume, output_kind=output_kind)
+            except Exception:
+                finished = True  # refused (bad prompt or params, engine gone): never added
+                raise
+            # From here on, or once the call above was sent: a caller that leaves must abort the
+            # request. (Cancelled while waiting for the engine's answer, it has been added all the same.)
             hold_until = 0.0
             while not finished:
                 item = await q.get(hold_until)
@@ -107,7 +112,7 @@ class EngineClient:
         finally:
             self._queues.pop(request_id, None)
             self._removed(request_id)
-            if added and not finished:
+            if not finished:
                 self._post_abort(request_id)
 
     async def abort(self, request_id: str) -> None:
