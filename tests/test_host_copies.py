@@ -52,6 +52,8 @@ def test_empty_copy_and_typed_upload_on_the_cpu():
     cache = _cache("cpu")
     copy = cache.copy_out([], slot=0)
     assert copy.rows(0) == [] and len(copy.whole(1)) == cache.residual[0].numel() * 2
+    assert copy.buffer(0).nbytes == 0 and copy.buffer(0).format == "B"  # a request that exports no page
+    assert bytes(copy.buffer(1)) == copy.whole(1)
     x = torch.randn(3, 4, 5, dtype=torch.bfloat16)
     chunks = [x[i].view(torch.uint8).numpy().tobytes() for i in range(3)]
     assert torch.equal(bytes_to_device(chunks, torch.bfloat16, (4, 5), torch.device("cpu")), x)

@@ -70,7 +70,7 @@ class HostCopy:
 
     def buffer(self, i: int) -> memoryview:
         """Tensor `i`'s bytes in place (valid while this copy lives): for a writer that copies them on."""
-        return memoryview(self.wait()._host[i].view(torch.uint8).numpy()).cast("B")
+        return memoryview(self.wait()._host[i].view(torch.uint8).numpy().reshape(-1))  # [nbytes], maybe 0
 
 
 def bytes_to_device(chunks: Sequence[bytes | memoryview], dtype: torch.dtype, shape: tuple[int, ...],
