@@ -141,10 +141,19 @@ def tracing_client_interceptors() -> list:
 
 @contextlib.contextmanager
 def server_span(tracer: trace.Tracer, name: str, grpc_context: Any) -> Iterator[trace.Span]:
-    """A SERVER span for one gRPC call, a child of the caller's span when it sent one."""
-    with tracer.start_as_current_span(name, context=context_from_grpc(grpc_context),
-                                      kind=trace.SpanKind.SERVER) as span:
+    """A SERVER span for one gRPC call, a child of the caller's span when it sent one. Not made the
+    current span: a streaming handler is an async generator that gRPC may close from another task
+    when the caller hangs up, where a context attached at its start cannot be detached (OTel logs
+    an error each time); the workers start no spans and send no traced calls of their own."""
+    span = tracer.start_span(name, context=context_from_grpc(grpc_context), kind=trace.SpanKind.SERVER)
+    try:
         yield span
+    except Exception as e:
+        span.record_exception(e)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(e).__name__}: {e}"))
+        raise
+    finally:
+        span.end()
 
 
 def tracing_middleware(tracer: trace.Tracer):
