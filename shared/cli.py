@@ -186,18 +186,22 @@ def _setup_logging(level: str, role: str) -> None:
 
 
 async def serve_until_signal(coro) -> None:
-    """Run a service coroutine until it ends or SIGINT/SIGTERM arrives (then cancel it: graceful stop)."""
+    """Run a service coroutine until it ends or SIGINT/SIGTERM arrives (then cancel it: graceful stop);
+    SIGUSR1 prints where it waits (kvmesh.stack_dump)."""
+    from kvmesh.stack_dump import install_on_loop
+
     task = asyncio.ensure_future(coro)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, task.cancel)
+    install_on_loop(loop)  # kill -USR1: where every thread and task waits, on stderr
     try:
         await task
     except asyncio.CancelledError:
         if not task.cancelled():
             raise
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
             loop.remove_signal_handler(sig)
 
 

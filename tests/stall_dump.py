@@ -7,37 +7,12 @@ test the thread stacks only show the event loop; the tasks' await chains show wh
 """
 from __future__ import annotations
 
-import asyncio
-import gc
 import sys
 import threading
 
 import pytest
 
-
-def _attr(obj, *names):
-    return next((v for v in (getattr(obj, n, None) for n in names) if v is not None), None)
-
-
-def await_chain(coro) -> list[str]:
-    """Where a suspended coroutine waits, outermost first: one line per coroutine/generator frame."""
-    lines = []
-    while coro is not None:
-        frame = _attr(coro, "cr_frame", "gi_frame", "ag_frame")
-        if frame is not None:
-            code = frame.f_code
-            lines.append(f'  File "{code.co_filename}", line {frame.f_lineno}, in {code.co_name}')
-        coro = _attr(coro, "cr_await", "gi_yieldfrom", "ag_await")
-    return lines
-
-
-def pending_tasks_report() -> str:
-    # gc, not asyncio.all_tasks(loop): this runs on the timer thread, which knows no loop.
-    tasks = [o for o in gc.get_objects() if issubclass(type(o), asyncio.Task) and not o.done()]
-    parts = [f"{len(tasks)} pending asyncio task(s)"]
-    for t in tasks:
-        parts += [repr(t), *await_chain(t.get_coro())]
-    return "\n".join(parts) + "\n"
+from kvmesh.stack_dump import pending_tasks_report
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)

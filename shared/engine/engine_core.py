@@ -42,6 +42,7 @@ from kvmesh.config import EngineConfig
 from kvmesh.engine.engine_info import EngineInfo
 from kvmesh.engine.outputs import ExportedBlock, KVExport
 from kvmesh.engine.page_segments import CorePages, SegmentNames
+from kvmesh.stack_dump import install_threads_only
 
 if TYPE_CHECKING:
     from kvmesh.engine.engine import LLMEngine
@@ -80,6 +81,7 @@ def run_engine_core(config: EngineConfig, conn: Connection, export_conn: Connect
     """The engine process's entry point: builds the engine, says so, serves until told to stop or
     the worker's end of the pipe closes. `segments`: the worker's page segments, if it made them."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the worker, which stops this process
+    install_threads_only()  # kill -USR1: this process's thread stacks on stderr
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         from kvmesh.engine.engine import LLMEngine  # here, not at import: the worker's side needs no torch
