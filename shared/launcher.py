@@ -66,6 +66,9 @@ class StackConfig:
     """--kvstore-capacity-bytes: each kvstore node's pool size."""
     otlp_endpoint: Optional[str] = None
     """--otlp-endpoint: OTLP gRPC endpoint every service sends traces to."""
+    metrics: bool = False
+    """--metrics: every kvstore and worker serves Prometheus /metrics too, each on a free port
+    (`Stack.metrics_urls`, listed when the stack is up); the gateway always does."""
     log_level: str = "info"
     """--log-level of every service."""
     startup_timeout_s: float = 600.0
@@ -116,6 +119,7 @@ class StackConfig:
             api_key=args.api_key or None, num_prefill=args.num_prefill, num_decode=args.num_decode,
             num_kvstore=args.num_kvstore, kvstore_capacity_bytes=args.kvstore_capacity_bytes,
             otlp_endpoint=args.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,
+            metrics=args.metrics,
             log_level=args.log_level, startup_timeout_s=args.startup_timeout, extra_args=extra)
 
 
@@ -154,6 +158,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kvstore", type=int, default=d.num_kvstore, help="kvstore nodes")
     p.add_argument("--kvstore-capacity-bytes", type=int, default=None, help="each kvstore node's pool bytes")
     p.add_argument("--otlp-endpoint", default=None, help="OTLP gRPC endpoint for every service's traces")
+    p.add_argument("--metrics", action="store_true",
+                   help="kvstores and workers serve Prometheus /metrics too, each on a free port (listed at start)")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     p.add_argument("--startup-timeout", type=float, default=d.startup_timeout_s,
                    help="seconds each service may take to become healthy")
@@ -175,6 +181,7 @@ class Stack:
         self._ports: set[int] = set()  # picked for children that have not bound them yet
         self.gateway_port = cfg.port or self._free_port()
         self.index_url = cfg.redis_url
+        self.metrics_urls: dict[str, str] = {}  # service name -> its /metrics (the gateway's always)
         self._abort = threading.Event()
 
     @property
@@ -200,6 +207,14 @@ class Stack:
                 argv += ["--otlp-endpoint", self.cfg.otlp_endpoint]
         return argv
 
+    def _metrics(self, name: str) -> list[str]:
+        """--metrics-port for service `name` when the stack exports every service's metrics."""
+        if not self.cfg.metrics:
+            return []
+        port = self._free_port()
+        self.metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
+        return ["--metrics-port", str(port)]
+
     def _plan(self) -> list[list[ServiceProcess]]:
         cfg, lo = self.cfg, "127.0.0.1"
         waves: list[list[ServiceProcess]] = [[], [], []]
@@ -215,6 +230,7 @@ class Stack:
             argv = self._base("kvstore") + ["--host", lo, "--port", str(port), "--redis-url", self.index_url]
             if cfg.kvstore_capacity_bytes:
                 argv += ["--capacity-bytes", str(cfg.kvstore_capacity_bytes)]
+            argv += self._metrics(f"kvstore-{i}")
             waves[0].append(ServiceProcess(f"kvstore-{i}", "kvstore", argv + list(cfg.extra("kvstore")), kv_addrs[-1]))
         engine = ["--model", cfg.model, "--kv-cache-dtype", cfg.kv_cache_dtype, "--block-size", str(cfg.block_size),
                   *cfg.engine_flags]
@@ -226,6 +242,7 @@ class Stack:
                 argv = self._base(role) + engine + ["--host", lo, "--port", str(port), "--redis-url", self.index_url]
                 for a in kv_addrs:
                     argv += ["--kvstore", a]
+                argv += self._metrics(f"{role}-{i}")
                 waves[1].append(ServiceProcess(f"{role}-{i}", role, argv + list(cfg.extra(role)), workers[role][-1]))
         argv = self._base("gateway") + _known_flags("gateway", engine) + [
             "--host", cfg.host, "--port", str(self.gateway_port), "--redis-url", self.index_url]
@@ -237,6 +254,7 @@ class Stack:
         host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
         waves[2].append(ServiceProcess("gateway", "gateway", argv + list(cfg.extra("gateway")),
                                        f"http://{host}:{self.gateway_port}"))
+        self.metrics_urls["gateway"] = f"http://{host}:{self.gateway_port}/metrics"
         return waves
 
     # -- running ---------------------------------------------------------------------------------
@@ -320,6 +338,9 @@ def run_stack(cfg: StackConfig, out: TextIO = sys.stdout) -> int:
         print(f"\nkvmesh is up: {stack.url}/v1  (model {cfg.model}, kv cache {cfg.kv_cache_dtype}, "
               f"index {index})\n  try: curl {stack.url}/v1/models\n  Ctrl-C stops every service.",
               file=out, flush=True)
+        if cfg.metrics:
+            print("  metrics: " + ", ".join(f"{name} {url}" for name, url in stack.metrics_urls.items()),
+                  file=out, flush=True)
         while not stop.wait(0.5):
             dead = stack.dead()
             if dead is not None:

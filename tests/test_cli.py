@@ -113,6 +113,27 @@ def test_up_builds_command_lines_the_services_accept():
     assert configs["kvstore-0"].redis_url == stack.index_url
 
 
+def test_up_with_metrics_gives_every_service_a_port_of_its_own():
+    import argparse
+
+    from kvmesh.launcher import add_up_args
+    ap = argparse.ArgumentParser()
+    add_up_args(ap)
+    stack = Stack(StackConfig.from_args(ap.parse_args(["--metrics", "--num-decode", "2", "--port", "0"])))
+    waves = stack._plan()
+    ports = {}
+    for proc in [p for w in waves for p in w if p.role not in ("index", "gateway")]:
+        args, _ = _parse(proc.role, proc.argv[4:], {})
+        ports[proc.name] = args.metrics_port
+    assert set(ports) == {"kvstore-0", "prefill-0", "decode-0", "decode-1"}
+    assert len(set(ports.values())) == 4 and all(ports.values())
+    assert stack.metrics_urls == {**{n: f"http://127.0.0.1:{p}/metrics" for n, p in ports.items()},
+                                  "gateway": f"http://127.0.0.1:{stack.gateway_port}/metrics"}
+    plain = Stack(StackConfig(port=0))
+    assert not any("--metrics-port" in p.argv for w in plain._plan() for p in w)  # off by default
+    assert list(plain.metrics_urls) == ["gateway"]
+
+
 def test_up_with_redis_has_no_index_process():
     stack = Stack(StackConfig(redis_url="redis://127.0.0.1:6390/0", num_prefill=0))
     waves = stack._plan()
