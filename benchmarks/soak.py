@@ -3,7 +3,8 @@ requests through the openai client, abandoned streams, fuzzed bodies), then the 
 CI's short soak (tests/test_soak.py), and a table of what each kind of request got.
 
     .venv/bin/python benchmarks/soak.py [--seconds 300] [--clients 12] [--kv-cache-dtype auto,int4]
-        [--num-prefill 1] [--num-decode 2] [--kv-cache-memory 48MiB] [--seed 0] [--device cpu]
+        [--num-prefill 1] [--num-decode 2] [--num-kvstore 1] [--engine-process on] [--kv-cache-memory 48MiB]
+        [--seed 0] [--device cpu]
 
 A stack per --kv-cache-dtype value, one after the other; its services' output goes to
 /tmp/kvmesh-soak-DTYPE.log (an ERROR line or a traceback there is a problem too). Exits 1 if any rule broke (the problems
@@ -28,14 +29,17 @@ from kvmesh.launcher import Stack  # noqa: E402
 def one_stack(args: argparse.Namespace, kv_dtype: str) -> list[str]:
     before = _segments()
     cfg = soak_stack_config(kv_dtype, args.kv_cache_memory)
+    where = () if args.engine_process == "on" else ("--no-engine-process",)
     cfg = dataclasses.replace(cfg, num_prefill=args.num_prefill, num_decode=args.num_decode,
+                              num_kvstore=args.num_kvstore, extra_args=(("prefill", where), ("decode", where)),
                               engine_flags=cfg.engine_flags + (("--device", args.device) if args.device else ()))
     problems: list[str] = []
     started = time.monotonic()
     log = f"/tmp/kvmesh-soak-{kv_dtype}.log"
     with open(log, "w") as out, Stack(cfg, log=out) as stack:
         print(f"\n## kv-cache-dtype {kv_dtype}: stack up in {time.monotonic() - started:.0f} s, "
-              f"{args.num_prefill} prefill / {args.num_decode} decode workers", flush=True)
+              f"{args.num_prefill} prefill / {args.num_decode} decode workers, {args.num_kvstore} kvstores, "
+              f"engine process {args.engine_process}", flush=True)
         reference = asyncio.run(greedy_answer(stack.url, "smollm2"))
         report = asyncio.run(run_soak(stack.url, "smollm2", SoakConfig(
             seconds=args.seconds, clients=args.clients, seed=args.seed, max_model_len=MAX_MODEL_LEN)))
@@ -62,6 +66,9 @@ def main() -> int:
     ap.add_argument("--kv-cache-dtype", default="auto,int4", help="a stack for each, e.g. auto,fp8,int8,int4")
     ap.add_argument("--num-prefill", type=int, default=1)
     ap.add_argument("--num-decode", type=int, default=2)
+    ap.add_argument("--num-kvstore", type=int, default=1)
+    ap.add_argument("--engine-process", default="on", choices=["on", "off"],
+                    help="the workers' engines in processes of their own (on, as shipped) or on a thread")
     ap.add_argument("--kv-cache-memory", default="48MiB", help="each worker's KV pool (small: bursts preempt)")
     ap.add_argument("--device", default="", help="the workers' --device (default: theirs)")
     ap.add_argument("--seed", type=int, default=0)

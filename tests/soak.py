@@ -185,21 +185,29 @@ class _Client:
             return "gave up"
 
     # -- fuzzed -------------------------------------------------------------------------------
-    def fuzzed(self) -> tuple[str, bytes]:
-        chat = self.rng.random() < 0.6
-        path = "/v1/chat/completions" if chat else "/v1/completions"
-        body: dict = {"model": self.model, "max_tokens": self.rng.randint(1, 4)}
-        if chat:
+    def fuzzed(self) -> tuple[str, str, bytes]:
+        """(method, path, body): a well-formed body of one of the POST routes, mutated."""
+        path = self.rng.choices(["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"],
+                                [5, 3, 1, 1])[0]
+        chat = path == "/v1/chat/completions" or (path == "/tokenize" and self.rng.random() < 0.5)
+        body: dict = {"model": self.model}
+        if path == "/detokenize":
+            body["tokens"] = [self.rng.randrange(1000) for _ in range(self.rng.randint(0, 8))]
+        elif chat:
             body["messages"] = self.messages()
         else:
             body["prompt"] = self.words(10)
+        if path.startswith("/v1/"):
+            body["max_tokens"] = self.rng.randint(1, 4)
         for _ in range(self.rng.randint(1, 3)):
             r = self.rng.random()
             if r < 0.45:
                 body[self.rng.choice(FIELDS)] = self.rng.choice(BAD_VALUES)
             elif r < 0.6:
-                body.pop(self.rng.choice(["model", "messages", "prompt", "max_tokens"]), None)
-            elif r < 0.8 and chat and isinstance(body.get("messages"), list) and body["messages"]:
+                body.pop(self.rng.choice(["model", "messages", "prompt", "max_tokens", "tokens"]), None)
+            elif r < 0.7 and "tokens" in body:
+                body["tokens"] = body["tokens"] + [self.rng.choice(BAD_VALUES + (-1, 49151, 49152, 10 ** 12))]
+            elif r < 0.8 and isinstance(body.get("messages"), list) and body["messages"]:
                 m = dict(self.rng.choice(body["messages"]))
                 key = self.rng.choice(["role", "content", "name", "tool_calls"])
                 m[key] = self.rng.choice(BAD_VALUES + ("robot", "tool", [{"type": "text", "text": "hi"}],
@@ -219,11 +227,13 @@ class _Client:
             raw = raw.replace(b'"', b"\xff", 1)  # not UTF-8
         elif cut < 0.15:
             raw = self.rng.choice([b"[]", b"null", b"1", b'"a"', b"[" * 5000 + b"]" * 5000, b""])
-        return path, raw
+        method = "POST" if self.rng.random() > 0.03 else self.rng.choice(["GET", "PUT", "DELETE"])
+        return method, path, raw
 
     async def fuzz(self) -> str:
-        path, raw = self.fuzzed()
-        async with self.session.post(self.url + path, data=raw, headers={"Content-Type": "application/json"}) as r:
+        method, path, raw = self.fuzzed()
+        async with self.session.request(method, self.url + path, data=raw,
+                                        headers={"Content-Type": "application/json"}) as r:
             text = await r.read()
             status = r.status
         try:
@@ -231,14 +241,15 @@ class _Client:
         except ValueError:
             got = "not JSON"
         if status >= 500 or status < 200:
-            self.report.problem("fuzz", f"HTTP {status} for {raw[:300]!r}: {text[:300]!r}")
+            self.report.problem("fuzz", f"HTTP {status} for {method} {path} {raw[:300]!r}: {text[:300]!r}")
             return None
         if status >= 400:
-            self.expect(_openai_error(got), f"HTTP {status} without an OpenAI error for {raw[:200]!r}: "
-                        f"{text[:200]!r}")
+            self.expect(_openai_error(got), f"HTTP {status} without an OpenAI error for {method} {path} "
+                        f"{raw[:200]!r}: {text[:200]!r}")
             return str(status)
         ok = text.startswith(b"data:") and text.rstrip().endswith(b"data: [DONE]") or (
-            isinstance(got, dict) and isinstance(got.get("choices"), list))
+            isinstance(got, dict) and any(isinstance(got.get(k), t) for k, t in (
+                ("choices", list), ("tokens", list), ("prompt", str))))  # completions, /tokenize, /detokenize
         self.expect(ok, f"HTTP 200 with a malformed answer for {raw[:200]!r}: {text[:200]!r}")
         return "200"
 
