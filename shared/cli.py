@@ -205,12 +205,27 @@ async def serve_until_signal(coro) -> None:
             loop.remove_signal_handler(sig)
 
 
+ENGINE_ROLES = ("prefill", "decode")
+
+
+def environ_for_engines(env) -> None:
+    """An engine's torch threads sleep when they run out of work instead of spinning (OpenMP's
+    active wait): where several engines share a machine's cores (`kvmesh up` starts one a worker,
+    each in its own process), one engine's spinning threads starve the others. On the 2-core build
+    machine, one prefill and two decode workers served the soak's mix at 5.8 requests/s with
+    sleeping threads and 0.4 with OpenMP's default (docs/benchmarks.md, "Soak of the whole stack").
+    A value already set wins."""
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def _run_service(role: str, args: argparse.Namespace, parser: argparse.ArgumentParser, environ) -> int:
     import uvloop
 
     from kvmesh.telemetry import setup_tracing
 
     entry = SERVICES[role]
+    if role in ENGINE_ROLES:  # before torch loads here or in the engine process (which inherits it)
+        environ_for_engines(os.environ)
     try:
         cfg = importlib.import_module(entry.config_module).from_args(args)
     except ValueError as e:  # config validation names the flag

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import pytest
 
-from kvmesh.cli import build_parser, env_name, main
+from kvmesh.cli import build_parser, env_name, environ_for_engines, main
 from kvmesh.launcher import Stack, StackConfig
 
 
@@ -141,3 +143,21 @@ def test_up_with_redis_has_no_index_process():
     for proc in [p for w in waves for p in w]:
         assert proc.argv[proc.argv.index("--redis-url") + 1] == "redis://127.0.0.1:6390/0"
     assert "--prefill" not in waves[2][0].argv
+
+
+def test_engines_sleep_out_of_work_unless_told_otherwise():
+    env: dict[str, str] = {}
+    environ_for_engines(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    environ_for_engines(env)
+    assert env == {"OMP_WAIT_POLICY": "ACTIVE"}  # an operator's choice wins
+
+
+def test_service_entry_loads_no_torch_before_the_engine_environment_is_set():
+    """OpenMP reads OMP_WAIT_POLICY once, when torch loads: a torch import on the way to _run_service
+    would make environ_for_engines too late."""
+    code = ("import sys, uvloop, kvmesh.__main__, kvmesh.telemetry; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'triton')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

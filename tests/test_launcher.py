@@ -34,6 +34,13 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _environ(pid: int) -> dict[str, str]:
+    """The environment process `pid` started with."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
+    return {k.decode(): v.decode(errors="replace") for k, v in pairs}
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -76,7 +83,7 @@ def test_kvmesh_up_serves_openai_client_and_sigint_stops_all(redis_flush):
     import openai
     import redis
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_") and k != "OMP_WAIT_POLICY"}
     env["PYTHONUNBUFFERED"] = "1"
     cmd = [sys.executable, "-m", "kvmesh", "up", "--port", "0", "--redis-url", redis_flush,
            "--max-num-seqs", "4", "--kv-cache-memory", "64MiB", "--kvstore-capacity-bytes", str(64 << 20),
@@ -89,6 +96,8 @@ def test_kvmesh_up_serves_openai_client_and_sigint_stops_all(redis_flush):
         assert len(children) == 4, children  # kvstore, prefill, decode, gateway (Redis replaces the index)
         grandchildren = [g for c in children for g in _children(c)]  # the workers' engine processes
         assert len(grandchildren) >= 2, grandchildren
+        # engines sleep when out of work, not spin: several share these cores (kvmesh.cli.environ_for_engines)
+        assert all(_environ(g).get("OMP_WAIT_POLICY") == "PASSIVE" for g in grandchildren), grandchildren
         with urllib.request.urlopen(url + "/health", timeout=10) as r:
             assert r.status == 200
 
