@@ -15,13 +15,13 @@ from typing import Any, Callable, Optional
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvmesh.index_feed import INDEX_CALL_TIMEOUT_S, IndexFeed
 from kvmesh.telemetry import Metrics, MetricsServer, start_metrics_server
 from kvmesh.wire import kvmesh_pb2 as pb
 from kvmesh.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
-INDEX_CALL_TIMEOUT_S = 10.0  # one publish or withdraw; the index answers in milliseconds
 STOP_TIMEOUT_S = 15.0  # the publish loop ends within one index call once it sees the stop flag
 
 # Prefill replies and Generate requests carry a full-precision tail block; pages travel on kvstore
@@ -48,8 +48,8 @@ class WorkerRuntime:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._held: set[bytes] = set()
-        self._unpublished: dict[bytes, bool] = {}  # hash -> held, drained but not yet in the index
-        self._publish_lock = asyncio.Lock()
+        self.feed = IndexFeed(index, self.holder, lambda: self._held, role)
+        self._drain_lock = asyncio.Lock()
         self._publisher: Optional[asyncio.Task] = None
         self._stopping = False  # the publish loop's exit condition (stop() also cancels it)
         self._metrics_server: Optional[MetricsServer] = None
@@ -167,39 +167,31 @@ class WorkerRuntime:
 
     async def publish_events(self) -> None:
         """Drain the engine's stored/removed events, track them, publish them under `holder`."""
-        async with self._publish_lock:
-            await self._drain()
-            if self._unpublished:
-                changes, self._unpublished = self._unpublished, {}
-                stored = [h for h, held in changes.items() if held]
-                removed = [h for h, held in changes.items() if not held]
-                try:
-                    await asyncio.wait_for(self.index.publish(self.holder, stored, removed), INDEX_CALL_TIMEOUT_S)
-                except BaseException:
-                    for h, held in changes.items():  # the next tick tries them again
-                        self._unpublished.setdefault(h, held)
-                    raise
+        await self._drain()
+        await self.feed.flush()
 
     async def _drain(self) -> None:
         # On the engine thread, between steps: the engine itself is single-threaded.
-        for kind, h in await self.engine.call("drain_kv_events"):
-            held = kind == "stored"
-            if held:
-                self._held.add(h)
-            else:
-                self._held.discard(h)
-            self._unpublished[h] = held  # only the last state of a hash matters to the index
+        async with self._drain_lock:
+            for kind, h in await self.engine.call("drain_kv_events"):
+                held = kind == "stored"
+                if held:
+                    self._held.add(h)
+                else:
+                    self._held.discard(h)
+                self.feed.note(h, held)
 
     async def _publish_loop(self) -> None:
         while not self._stopping:
             try:
-                await self.publish_events()
+                await self._drain()
+                await self.feed.tick(self.cfg.publish_interval)  # logs an index outage itself
                 self._stats = await self.engine.call("stats")
                 self.metrics.update_from_engine_stats(self._stats)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # the index is advisory: log and keep serving
-                log.exception("%s: publishing prefix-cache events failed", self.role)
+            except Exception:  # the engine's calls: log and keep serving
+                log.exception("%s: reading the engine's prefix-cache events or stats failed", self.role)
             await asyncio.sleep(self.cfg.publish_interval)
 
 

@@ -2,6 +2,7 @@
 
     with RedisServer() as r:   # r.url == "redis://127.0.0.1:PORT/0"
         ...
+        r.crash(); r.start(port=r.port)   # an outage: killed, then back empty on the same port
 """
 from __future__ import annotations
 
@@ -32,10 +33,12 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout: float = 10.0) -> "RedisServer":
-        self._dir = tempfile.TemporaryDirectory(prefix="kvmesh-redis-")
-        for _ in range(3):  # another process may grab the free port between probe and bind
-            self.port = free_port()
+    def start(self, timeout: float = 10.0, port: int = 0) -> "RedisServer":
+        """On `port`, or a free one."""
+        if self._dir is None:
+            self._dir = tempfile.TemporaryDirectory(prefix="kvmesh-redis-")
+        for _ in range(1 if port else 3):  # another process may grab the free port between probe and bind
+            self.port = port or free_port()
             self._proc = subprocess.Popen(
                 [self.executable, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                  "--appendonly", "no", "--dir", self._dir.name],
@@ -69,6 +72,13 @@ class RedisServer:
                 self._proc.kill()
                 self._proc.wait()
         self._proc = None
+
+    def crash(self) -> None:
+        """SIGKILL: gone at once, its data with it (nothing is saved)."""
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
 
     def stop(self) -> None:
         self._kill()

@@ -1,7 +1,8 @@
-"""IndexPublisher: batches the store's stored/removed events into the prefix index.
+"""IndexPublisher: the store's stored/removed events into the prefix index, every --publish-interval.
 
-Best effort: the store is the source of truth, so a failed publish is retried with the next batch and
-a lost one only costs a reader a miss.
+Best effort: the store is the source of truth, so a failed publish is retried (`IndexFeed`: with
+backoff, the whole held set once the index answers again, and every third of its TTL) and a lost
+one only costs a reader a miss.
 
 Stopping sets a flag as well as cancelling the loop: on Python 3.11 `asyncio.wait_for` (around each
 index call below, and inside redis-py >= 8 for its default 5 s socket timeout) returns normally when a
@@ -14,11 +15,11 @@ import asyncio
 import logging
 
 from kvmesh.index import PrefixIndex
+from kvmesh.index_feed import INDEX_CALL_TIMEOUT_S, IndexFeed
 from kvmesh.kvstore.store import BlockStore
 
 log = logging.getLogger(__name__)
 
-INDEX_CALL_TIMEOUT_S = 10.0  # one publish or withdraw; Redis answers in milliseconds
 STOP_TIMEOUT_S = 15.0  # the loop ends within one index call once it sees the stop flag
 
 
@@ -28,10 +29,9 @@ class IndexPublisher:
         self.index = index
         self.holder = holder
         self.interval = interval
-        self._pending: dict[bytes, bool] = {}  # failed batches wait here, merged with newer events
+        self.feed = IndexFeed(index, holder, store.held_hashes, "kvstore")
         self._task: asyncio.Task | None = None
         self._stopping = False  # the loop's exit condition; cancel() alone may be swallowed (see above)
-        self._lock = asyncio.Lock()  # an explicit flush waits for a batch already in flight
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"index-publisher-{self.holder}")
@@ -39,35 +39,20 @@ class IndexPublisher:
     async def _run(self) -> None:
         while not self._stopping:
             await asyncio.sleep(self.interval)
-            try:
-                await self.flush()
-            except Exception as exc:  # the index is advisory: keep serving, retry next tick
-                log.warning("publishing to the prefix index failed (%s); retrying", exc)
+            self._note_events()
+            await self.feed.tick(self.interval)  # the index is advisory: it logs an outage and retries
+
+    def _note_events(self) -> None:
+        stored, removed = self.store.drain_events()
+        for h in stored:
+            self.feed.note(h, True)
+        for h in removed:
+            self.feed.note(h, False)
 
     async def flush(self) -> None:
         """Publish everything the store reported since the last flush (and wait for it)."""
-        async with self._lock:
-            await self._flush_locked()
-
-    async def _flush_locked(self) -> None:
-        stored, removed = self.store.drain_events()
-        for h in stored:
-            self._pending.pop(h, None)
-            self._pending[h] = True
-        for h in removed:
-            self._pending.pop(h, None)
-            self._pending[h] = False
-        if not self._pending:
-            return
-        batch, self._pending = self._pending, {}
-        try:
-            await asyncio.wait_for(self.index.publish(self.holder, [h for h, s in batch.items() if s],
-                                                      [h for h, s in batch.items() if not s]),
-                                   INDEX_CALL_TIMEOUT_S)
-        except BaseException:
-            batch.update(self._pending)  # newer events win
-            self._pending = batch
-            raise
+        self._note_events()
+        await self.feed.flush()
 
     async def stop(self) -> None:
         """Stop the loop, then withdraw every entry of this holder (the node is leaving)."""
@@ -80,6 +65,6 @@ class IndexPublisher:
                 log.warning("the index publisher of %s did not stop within %.0f s; leaving it",
                             self.holder, STOP_TIMEOUT_S)
             self._task = None
-        self._pending.clear()
         self.store.drain_events()
+        self.feed.discard_changes()
         await asyncio.wait_for(self.index.drop_holder(self.holder), INDEX_CALL_TIMEOUT_S)
