@@ -51,6 +51,7 @@ class WorkerRuntime:
         self.feed = IndexFeed(index, self.holder, lambda: self._held, role)
         self._drain_lock = asyncio.Lock()
         self._publisher: Optional[asyncio.Task] = None
+        self._feed_tick: Optional[asyncio.Task] = None  # the index call in flight, off the publish loop
         self._stopping = False  # the publish loop's exit condition (stop() also cancels it)
         self._metrics_server: Optional[MetricsServer] = None
         self._background: set[asyncio.Task] = set()
@@ -100,9 +101,11 @@ class WorkerRuntime:
             # calls) can swallow a cancel that lands as its call completes (CPython gh-86296);
             # asyncio.wait is bounded and never raises the loop's CancelledError
             self._stopping = True
-            self._publisher.cancel()
-            done, _ = await asyncio.wait([self._publisher], timeout=STOP_TIMEOUT_S)
-            if not done:
+            tasks = [t for t in (self._publisher, self._feed_tick) if t is not None]
+            for t in tasks:
+                t.cancel()
+            done, _ = await asyncio.wait(tasks, timeout=STOP_TIMEOUT_S)
+            if len(done) < len(tasks):
                 log.warning("%s: the index publisher did not stop within %.0f s; leaving it", self.role,
                             STOP_TIMEOUT_S)
         with contextlib.suppress(Exception):  # the index may already be gone; entries expire anyway
@@ -185,7 +188,9 @@ class WorkerRuntime:
         while not self._stopping:
             try:
                 await self._drain()
-                await self.feed.tick(self.cfg.publish_interval)  # logs an index outage itself
+                if self._feed_tick is None or self._feed_tick.done():  # a hung index holds its own task,
+                    # not this loop: the Load stats below stay fresh (the feed logs an outage itself)
+                    self._feed_tick = asyncio.create_task(self.feed.tick(self.cfg.publish_interval))
                 self._stats = await self.engine.call("stats")
                 self.metrics.update_from_engine_stats(self._stats)
             except asyncio.CancelledError:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -65,6 +66,7 @@ class RedisServer:
 
     def _kill(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGCONT)  # a frozen server cannot act on SIGTERM
             self._proc.terminate()
             try:
                 self._proc.wait(5)
@@ -79,6 +81,13 @@ class RedisServer:
             self._proc.kill()
             self._proc.wait()
             self._proc = None
+
+    def freeze(self) -> None:
+        """SIGSTOP: connections still open (the kernel accepts them) but nothing answers, as in a partition."""
+        self._proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        self._proc.send_signal(signal.SIGCONT)
 
     def stop(self) -> None:
         self._kill()

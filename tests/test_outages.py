@@ -1,11 +1,12 @@
 """Outages of what the services lean on, as on Kubernetes where each service restarts on its own:
-the kvstore, then Redis, killed (SIGKILL) under a serving stack and started again on the same port.
+the kvstore, then Redis, killed (SIGKILL) under a serving stack and started again on the same port,
+and Redis frozen (SIGSTOP: it accepts connections and answers nothing, as in a network partition).
 
 While one is gone every request still answers, greedy-identical, and no other service dies: the
 kvstore is a cache (a prompt whose blocks cannot be pushed or pulled is recomputed) and the index is
 advice (a lookup that fails routes the request as a miss). Once it is back, the stack uses it again
 without a restart of anything: blocks reach the new kvstore, block hashes the new Redis, and a
-repeated prompt hits the cache again.
+repeated prompt hits the cache again. A frozen Redis costs a request at most --index-timeout.
 
 Every service is a process of its own (`kvmesh kvstore|prefill|decode|gateway`, the command lines
 `kvmesh up` builds), the index a real redis-server; the gateway sends every uncached prompt to the
@@ -175,4 +176,35 @@ async def test_redis_outage_routes_as_misses_then_the_restarted_index_fills_agai
     assert not services.others_alive(), services.others_alive()
     outage_lines = services.log_lines("prefix index does not answer")
     assert 1 <= len(outage_lines) <= 3, outage_lines  # once a publishing service (kvstore, prefill, decode)
+    assert not services.errors(), "\n".join(services.errors())
+
+
+@pytest.mark.timeout(600)
+async def test_a_frozen_redis_costs_a_request_at_most_the_index_timeout(services: Services):
+    reference, _ = await _answer(services.url, "before-freeze")
+    t0 = time.monotonic()
+    await _answer(services.url, "healthy-timing")
+    healthy = time.monotonic() - t0
+    timeouts = await services.sample("gateway", "kvmesh:prefix_index_errors_total", model_name="smollm2",
+                                     reason="timeout")
+    services.redis.freeze()
+    try:
+        for i in range(3):
+            t0 = time.monotonic()
+            text, _ = await _answer(services.url, f"frozen-{i}")
+            took = time.monotonic() - t0
+            assert text == reference
+            # --index-timeout is 1 s; without it each lookup waited for redis-py's 5 s socket timeout
+            assert took < healthy + 2.5, (took, healthy)
+        assert await services.sample("gateway", "kvmesh:prefix_index_errors_total", model_name="smollm2",
+                                     reason="timeout") > timeouts
+        assert not services.others_alive(), services.others_alive()
+    finally:
+        services.redis.thaw()
+
+    async def gateway_routes_by_the_index_again():
+        await _answer(services.url, "after-thaw")
+        return [line for line in services.log_lines("; routing by it") if "[gateway]" in line]
+
+    await _until("the gateway looks the index up again", gateway_routes_by_the_index_again)
     assert not services.errors(), "\n".join(services.errors())

@@ -12,6 +12,7 @@ from opentelemetry import trace
 
 from kvmesh.gateway.config import GatewayConfig
 from kvmesh.gateway.dispatcher import Dispatcher
+from kvmesh.gateway.index_breaker import IndexBreaker
 from kvmesh.gateway.metrics import GatewayMetrics
 from kvmesh.gateway.openai_api import ApiError
 from kvmesh.gateway.router import Router
@@ -30,6 +31,7 @@ class Gateway:
     cfg: GatewayConfig
     tokenizer: Any  # kvmesh.model.tokenizer.Tokenizer
     index: Any  # kvmesh.index.PrefixIndex
+    lookups: IndexBreaker  # the index's lookups, bounded and skipped while it fails
     model_id: str
     max_model_len: int
     router: Router
@@ -138,7 +140,8 @@ def build_app(cfg: GatewayConfig, *, tokenizer: Any = None, index: Any = None,
                     rng=rng)
     clients = WorkerClients(list(cfg.prefill) + list(cfg.decode))
     metrics = GatewayMetrics(cfg.model_names[0])
-    gw = Gateway(cfg=cfg, tokenizer=tokenizer, index=index, model_id=model_id,
+    gw = Gateway(cfg=cfg, tokenizer=tokenizer, index=index,
+                 lookups=IndexBreaker(index, cfg.index_timeout_s, metrics.index_error), model_id=model_id,
                  max_model_len=max_model_len, router=router, clients=clients, metrics=metrics,
                  dispatcher=Dispatcher(router, clients, metrics, timeout_s=cfg.request_timeout_s))
     tracer = tracer or trace.get_tracer("kvmesh.gateway")

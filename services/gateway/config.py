@@ -57,6 +57,10 @@ class GatewayConfig:
     """--health-interval: seconds between gRPC health checks of each worker."""
     request_timeout_s: float = 600.0
     """--request-timeout: seconds a single worker call may take."""
+    index_timeout_s: float = 1.0
+    """--index-timeout: seconds a prefix-index lookup may take before the request routes as a miss
+    (a lookup of a whole prompt is one Redis round trip, milliseconds; the slack is for a busy
+    gateway's event loop, whose lag counts too: a timeout opens the breaker, index_breaker.py)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -92,6 +96,8 @@ class GatewayConfig:
             raise ValueError(f"--health-interval must be > 0, got {self.health_interval_s}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"--request-timeout must be > 0, got {self.request_timeout_s}")
+        if self.index_timeout_s <= 0:
+            raise ValueError(f"--index-timeout must be > 0, got {self.index_timeout_s}")
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -136,6 +142,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-num-requests", type=int, default=d["max_num_requests"].default)
     p.add_argument("--health-interval", type=float, default=d["health_interval_s"].default)
     p.add_argument("--request-timeout", type=float, default=d["request_timeout_s"].default)
+    p.add_argument("--index-timeout", type=float, default=d["index_timeout_s"].default)
     return parser
 
 
@@ -149,4 +156,5 @@ def from_args(args: argparse.Namespace) -> GatewayConfig:
         prefill_threshold_tokens=args.prefill_threshold_tokens, route_alpha=args.route_alpha,
         route_beta=args.route_beta, route_store_weight=args.route_store_weight,
         route_tolerance=args.route_tolerance, max_num_requests=args.max_num_requests,
-        health_interval_s=args.health_interval, request_timeout_s=args.request_timeout)
+        health_interval_s=args.health_interval, request_timeout_s=args.request_timeout,
+        index_timeout_s=args.index_timeout)

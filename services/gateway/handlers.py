@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -19,7 +18,6 @@ from kvmesh.gateway.openai_api import (ApiError, CommonRequest, parse_chat, pars
                                        parse_detokenize, parse_tokenize)
 from kvmesh.hashing import block_hashes
 
-log = logging.getLogger("kvmesh.gateway")
 MAX_CHOICES = 256  # completions (prompts x n) one HTTP request may ask for
 LONG_TEXT_CHARS = 16384  # tokenize longer texts in a thread (about 1 ms per 4k chars inline)
 
@@ -80,12 +78,7 @@ async def _lookup(gw: Gateway, ids: tuple[int, ...], cache_salt: str):
     hashes = block_hashes(ids, gw.hash_context(cache_salt))
     if not hashes:
         return hashes, []
-    try:
-        holders = await gw.index.lookup(hashes)  # one round trip for the whole prompt
-    except Exception as e:  # a dead index only costs cache hits, never the request
-        log.warning("prefix index lookup failed (%s); routing as a miss", e)
-        holders = [frozenset()] * len(hashes)
-    return hashes, holders
+    return hashes, await gw.lookups.lookup(hashes)  # one round trip for the whole prompt; misses if it fails
 
 
 async def _deltas(gw: Gateway, jobs: list[Job], common: CommonRequest, rid: str):

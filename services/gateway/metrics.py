@@ -44,6 +44,9 @@ class GatewayMetrics:
         self.router_actual_hit_tokens = counter(
             "router_actual_hit_tokens", "Prompt tokens the worker actually served from cache.")
         self.router_prefill_hops = counter("router_prefill_hops", "Requests sent through a prefill worker.")
+        self.prefix_index_errors = counter("prefix_index_errors", "Prefix-index lookups routed as misses "
+                                           "because the index failed (error), was slow (timeout) or was being "
+                                           "left alone after a failure (skipped).", ("model_name", "reason"))
         self.ttft = Histogram("kvmesh:time_to_first_token_seconds", "Time to first token.", m,
                               buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("kvmesh:inter_token_latency_seconds", "Time between streamed tokens.", m,
@@ -64,6 +67,9 @@ class GatewayMetrics:
 
     def lab(self, metric, **labels):
         return metric.labels(model_name=self._model, **labels)
+
+    def index_error(self, reason: str) -> None:
+        self.lab(self.prefix_index_errors, reason=reason).inc()
 
     def decision(self, reason: str, predicted_hit_tokens: int) -> None:
         self.lab(self.router_decisions, reason=reason).inc()

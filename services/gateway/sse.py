@@ -6,7 +6,8 @@ import json
 from aiohttp import web
 
 DONE = b"data: [DONE]\n\n"
-STREAM_OPEN = "kvmesh.stream_open"  # a request's key once its event stream is prepared (its status sent)
+# a request's key once its event stream is prepared (its status sent); a typed key where aiohttp has them
+STREAM_OPEN = web.RequestKey("kvmesh.stream_open", bool) if hasattr(web, "RequestKey") else "kvmesh.stream_open"
 
 
 def event(obj: dict) -> bytes:
