@@ -316,6 +316,24 @@ async def test_decode_recomputes_blocks_gone_from_store(stack: Stack):
 
 
 @pytest.mark.parametrize("stack", ["auto"], indirect=True)
+async def test_decode_asks_the_store_for_no_block_the_prefill_worker_could_not_put(stack: Stack):
+    prompt, params = _prompt(2 * BS + 5), _greedy(4)
+    ref = (await asyncio.to_thread(stack.reference.generate, [prompt], params))[0].outputs[0]
+    sampling = convert.sampling_to_proto(params)
+    reply = await stack.prefill_stub().Prefill(pb.PrefillRequest(
+        request_id="unstored", prompt_token_ids=prompt, sampling=sampling))
+    reply.blocks[1].node = ""  # as a failed put leaves it: the second block and what follows stay unasked
+    registry = (await stack.decode(1)).runtime.metrics.registry
+    asked = lambda: sum(registry.get_sample_value("kvmesh:worker_blocks_total", {"op": op}) or 0  # noqa: E731
+                        for op in ("pulled", "missing"))
+    before = asked()
+    chunks = [c async for c in (await stack.decode_stub(1)).Generate(pb.GenerateRequest(
+        request_id="unstored", prompt_token_ids=prompt, sampling=sampling, prefilled=reply))]
+    assert [reply.first_token] + [t for c in chunks for t in c.token_ids] == ref.token_ids
+    assert asked() - before == 1  # the first block only
+
+
+@pytest.mark.parametrize("stack", ["auto"], indirect=True)
 async def test_concurrent_requests_each_get_their_own_stream(stack: Stack):
     prompts = [_prompt(n) for n in (BS + 3, 2 * BS + 7, 3 * BS)]
     lengths = [4, 7, 5]

@@ -15,6 +15,8 @@ prefill worker, so each request crosses the kvstore.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -207,4 +209,35 @@ async def test_a_frozen_redis_costs_a_request_at_most_the_index_timeout(services
         return [line for line in services.log_lines("; routing by it") if "[gateway]" in line]
 
     await _until("the gateway looks the index up again", gateway_routes_by_the_index_again)
+    assert not services.errors(), "\n".join(services.errors())
+
+
+@pytest.mark.timeout(600)
+async def test_a_frozen_kvstore_costs_the_requests_in_flight_a_bounded_wait_and_the_rest_nothing(
+        services: Services):
+    reference, _ = await _answer(services.url, "before-store-freeze")
+    t0 = time.monotonic()
+    await _answer(services.url, "store-healthy-timing")
+    healthy = time.monotonic() - t0
+    os.kill(services.kvstore.pid, signal.SIGSTOP)  # accepts connections, answers nothing
+    took = []
+    try:
+        for i in range(3):
+            t0 = time.monotonic()
+            text, _ = await _answer(services.url, f"store-frozen-{i}")
+            took.append(time.monotonic() - t0)
+            assert text == reference
+        assert not services.others_alive(), services.others_alive()
+    finally:
+        os.kill(services.kvstore.pid, signal.SIGCONT)
+    # the first waits for its put's deadline (5 s and its bytes), then the node is skipped until it
+    # answers a health check: before, every request waited for a 30 s put and a 30 s get (61 s)
+    assert took[0] < healthy + 8 and max(took[1:]) < healthy + 2.5, (took, healthy)
+    pushed = await services.sample("prefill-0", "kvmesh:worker_blocks_total", op="pushed")
+
+    async def store_used_again():
+        await _answer(services.url, f"store-thawed-{time.monotonic()}")
+        return await services.sample("prefill-0", "kvmesh:worker_blocks_total", op="pushed") > pushed
+
+    await _until("the prefill worker pushes to the kvstore again", store_used_again)
     assert not services.errors(), "\n".join(services.errors())

@@ -114,8 +114,11 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 yield self._finished_at_first(request)
                 return
 
+            local = self.runtime.known_blocks()
+            if resuming:  # a block the prefill worker could not store ends what is worth asking for
+                refs = list(itertools.takewhile(lambda r: r.node or r.hash in local, refs))
             pulled = await self.transfer.pull(self.engine, [r.hash for r in refs], request.cache_salt,
-                                              local=self.runtime.known_blocks())
+                                              local=local)
             span.set_attribute("kvmesh.pulled_blocks", len(pulled.imported))
             span.set_attribute("kvmesh.missing_blocks", pulled.missing)
             resume = convert.resume_from_prefill(request.prefilled, params.logprobs is not None) if resuming else None
@@ -167,8 +170,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             span.set_attribute("kvmesh.generated_tokens", sent_tokens)
             if final is not None and final.kv_export is not None:
                 known = set(pulled.imported)  # the rest: asked with Contains (refs may have been stale)
-                # Shielded: a caller that hangs up after the last chunk must not lose the blocks.
-                await asyncio.shield(self.runtime.spawn(self._push(final.kv_export, known)))
+                # Its own task, not awaited: the stream ends now, and a caller that hangs up after
+                # the last chunk does not cancel it (a hung kvstore held every stream's end 5 s).
+                self.runtime.spawn(self._push(final.kv_export, known))
 
     async def _push(self, export: Any, known: set[bytes]) -> None:
         try:

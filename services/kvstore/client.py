@@ -1,14 +1,15 @@
 """kvstore clients: one interface, two transports (gRPC over several nodes, in-process).
 
 GrpcKVStoreClient shards blocks over nodes by rendezvous hashing of the block hash over the nodes it
-believes alive. A node whose call fails is marked dead for `retry_after` seconds: new puts go to the
-next node in rendezvous order, gets ask the new owner (a miss there costs a recompute, never an error).
+believes alive. A node whose call fails is down until it answers a health check (`NodeLiveness`):
+new puts go to the next node in rendezvous order, gets ask the new owner (a miss there costs a
+recompute, never an error). A call's deadline grows with its bytes (`call_deadline`), so a hung node
+costs the calls in flight seconds, not the 30 s ceiling.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Iterable, Protocol, runtime_checkable
 
 import grpc
@@ -18,6 +19,7 @@ from kvmesh.kvstore.block import StoredBlock
 from kvmesh.kvstore.chunks import (GRPC_OPTIONS, assemble, batch_chunks, block_chunk_parts, block_header, decode_batch,
                                    unbatched)
 from kvmesh.kvstore.malloc import tune_malloc
+from kvmesh.kvstore.node_liveness import NODE_DOWN, NodeLiveness
 from kvmesh.kvstore.rendezvous import node_for
 from kvmesh.shm_arena import SegmentRange, ShmArena
 from kvmesh.kvstore.store import BlockStore, PutResult
@@ -30,7 +32,13 @@ __all__ = ["StoredBlock", "KVStoreClient", "GrpcKVStoreClient", "LocalKVStoreCli
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
-_NODE_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+CALL_BASE_S = 5.0  # a call's deadline: this, plus its bytes at MIN_BYTES_PER_S, at most `timeout`
+MIN_BYTES_PER_S = 50e6  # far below any path measured (loopback gRPC on a loaded 2-core machine: 570 MB/s)
+
+
+def call_deadline(nbytes: int, ceiling: float) -> float:
+    """Seconds a kvstore call moving `nbytes` may take."""
+    return min(ceiling, CALL_BASE_S + nbytes / MIN_BYTES_PER_S)
 
 
 class KVStoreUnavailable(ConnectionError):
@@ -122,31 +130,27 @@ class GrpcKVStoreClient:
     whenever the segment has no room for a call. A shared get reserves `block_bytes` a block (the
     largest block seen, if larger; until one is known, gets use messages)."""
 
-    def __init__(self, addresses: list[str], *, timeout: float = 30.0, retry_after: float = 5.0,
+    def __init__(self, addresses: list[str], *, timeout: float = 30.0, probe_interval_s: float = 1.0,
                  chunk_bytes: int = CHUNK_BYTES, shared_memory_bytes: int = 0, block_bytes: int = 0) -> None:
         if not addresses:
             raise ValueError("GrpcKVStoreClient: addresses is empty (pass at least one kvstore host:port)")
         tune_malloc()  # 1 MiB messages: keep freed buffers for reuse (see malloc.py)
         self.addresses = list(dict.fromkeys(addresses))
-        self.timeout = timeout
-        self.retry_after = retry_after
+        self.timeout = timeout  # the ceiling of every call's deadline
         self.chunk_bytes = chunk_bytes
         self._channels = {a: grpc.aio.insecure_channel(a, options=GRPC_OPTIONS) for a in self.addresses}
         self._stubs = {a: _Stub(c) for a, c in self._channels.items()}
-        self._dead_until: dict[str, float] = {}
+        self.liveness = NodeLiveness(self._channels, probe_interval_s=probe_interval_s)
         self._arena = ShmArena.create(shared_memory_bytes) if shared_memory_bytes > 0 else None
         self._no_shm: set[str] = set()  # nodes that could not open the segment
         self._block_bytes = block_bytes  # what a shared get reserves a block: the largest seen
 
     # -- liveness ------------------------------------------------------------------------------
     def live_nodes(self) -> list[str]:
-        now = time.monotonic()
-        return [a for a in self.addresses if self._dead_until.get(a, 0.0) <= now]
+        return self.liveness.live()
 
-    def _mark_dead(self, node: str, exc: grpc.aio.AioRpcError) -> None:
-        log.warning("kvstore node %s failed (%s); routing around it for %.0f s", node, exc.code().name,
-                    self.retry_after)
-        self._dead_until[node] = time.monotonic() + self.retry_after
+    def _deadline(self, nbytes: int = 0) -> float:
+        return call_deadline(nbytes, self.timeout)
 
     def _group(self, hashes: Iterable[bytes], live: list[str]) -> dict[str, list[int]]:
         """Indices of `hashes` per owning node."""
@@ -169,8 +173,8 @@ class GrpcKVStoreClient:
                                         return_exceptions=True)
             pending = []
             for (node, idx), out in zip(groups.items(), outs):
-                if isinstance(out, grpc.aio.AioRpcError) and out.code() in _NODE_DOWN:
-                    self._mark_dead(node, out)
+                if isinstance(out, grpc.aio.AioRpcError) and out.code() in NODE_DOWN:
+                    self.liveness.mark_down(node, out)
                     pending.extend(idx)
                 elif isinstance(out, BaseException):
                     raise out
@@ -192,7 +196,8 @@ class GrpcKVStoreClient:
             def chunks():
                 for i in idx:
                     yield from block_chunk_parts(blocks[i], self.chunk_bytes)
-            reply = await self._stubs[node].PutBatched(batch_chunks(chunks(), self.chunk_bytes), timeout=self.timeout)
+            reply = await self._stubs[node].PutBatched(batch_chunks(chunks(), self.chunk_bytes),
+                                                       timeout=self._deadline(sum(len(blocks[i].data) for i in idx)))
             held += reply.stored + reply.already_held
             return [None] * len(idx)
 
@@ -213,7 +218,8 @@ class GrpcKVStoreClient:
                 if shared is not None:
                     return shared
             out: list[StoredBlock | None] = []
-            async for header, data in assemble(unbatched(self._stubs[node].GetBatched(req, timeout=self.timeout))):
+            deadline = self._deadline(len(idx) * self._block_bytes)
+            async for header, data in assemble(unbatched(self._stubs[node].GetBatched(req, timeout=deadline))):
                 if data is None:
                     out.append(None)
                     continue
@@ -230,7 +236,7 @@ class GrpcKVStoreClient:
     async def contains(self, hashes: list[bytes]) -> list[bool]:
         async def call(node: str, idx: list[int]) -> list[bool]:
             reply = await self._stubs[node].Contains(pb.ContainsRequest(hashes=[hashes[i] for i in idx]),
-                                                     timeout=self.timeout)
+                                                     timeout=self._deadline())
             return list(reply.present)
 
         out = await self._sharded(hashes, call)
@@ -239,7 +245,7 @@ class GrpcKVStoreClient:
     async def release(self, hashes: list[bytes], lease_holder: str) -> None:
         async def call(node: str, idx: list[int]) -> list[None]:
             await self._stubs[node].Release(pb.ReleaseRequest(hashes=[hashes[i] for i in idx],
-                                                              lease_holder=lease_holder), timeout=self.timeout)
+                                                              lease_holder=lease_holder), timeout=self._deadline())
             return [None] * len(idx)
 
         await self._sharded(hashes, call)
@@ -249,13 +255,14 @@ class GrpcKVStoreClient:
         out = {}
         for node, stub in self._stubs.items():
             try:
-                out[node] = await stub.Stats(pb.StatsRequest(), timeout=self.timeout)
+                out[node] = await stub.Stats(pb.StatsRequest(), timeout=self._deadline())
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in _NODE_DOWN:
+                if exc.code() not in NODE_DOWN:
                     raise
         return out
 
     async def close(self) -> None:
+        await self.liveness.close()
         await asyncio.gather(*(c.close() for c in self._channels.values()))
         if self._arena is not None:
             self._arena.close()
@@ -298,7 +305,8 @@ class GrpcKVStoreClient:
 
     async def _shared_put(self, node: str, req: pb.SharedPut) -> pb.PutReply | None:
         try:
-            return await self._stubs[node].PutShared(req, timeout=self.timeout)
+            nbytes = sum(b.header.size for b in req.blocks)
+            return await self._stubs[node].PutShared(req, timeout=self._deadline(nbytes))
         except grpc.aio.AioRpcError as exc:
             if self._shm_refused(node, exc):
                 return None
@@ -322,7 +330,7 @@ class GrpcKVStoreClient:
         try:
             reply = await self._stubs[node].GetShared(pb.SharedGet(
                 request=req, segment=target.segment, offset=target.offset, capacity=target.nbytes),
-                timeout=self.timeout)
+                timeout=self._deadline(target.nbytes))
             out: list[StoredBlock | None] = []
             for ref in reply.blocks:
                 h = ref.header

@@ -108,6 +108,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             finally:
                 export.release()  # the pages' shared range, if they came through one
             span.set_attribute("kvmesh.pushed_blocks", pushed.stored)
+            # A failed put stored none of what the store lacked: the decode worker must not wait on
+            # a dead node for those, so their refs name no node (it recomputes from the first).
+            unstored = {b.hash for b in export.blocks} - known if pushed.error else set()
 
             # Handles name the node the put went to: the rendezvous owner among the live nodes.
             live = self.transfer.kvstore.live_nodes() if hasattr(self.transfer.kvstore, "live_nodes") else []
@@ -119,7 +122,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             reply = pb.PrefillReply(
                 first_token=comp.token_ids[0], first_text=_visible_text(comp.text, params.stop, bool(finish)),
                 blocks=convert.block_refs_to_proto(
-                    convert.BlockRef(b.hash, node_for(b.hash, nodes)) for b in export.blocks),
+                    convert.BlockRef(b.hash, "" if b.hash in unstored else node_for(b.hash, nodes))
+                    for b in export.blocks),
                 tail=convert.tail_to_proto(convert.tail_from_export(export)),
                 num_cached_tokens=final.num_cached_tokens,
                 prompt_logprobs=convert.prompt_logprobs_to_proto(final.prompt_logprobs),

@@ -19,7 +19,8 @@ from kvmesh.wire import kvmesh_pb2 as pb
 
 @dataclass(frozen=True)
 class BlockRef:
-    """A block a request can pull: its chained hash and the kvstore node that holds it."""
+    """A block a request can pull: its chained hash and the kvstore node that holds it ("": nowhere,
+    the prefill worker's put failed)."""
 
     hash: bytes
     node: str
