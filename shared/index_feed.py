@@ -5,9 +5,12 @@ A holder notes each block it starts or stops holding; every tick the feed sends 
 the last call in one batch (the latest state of a hash wins). A call that fails keeps its changes
 for the next, merged with newer ones, and the holder serves on: the index only steers routing.
 
-Two ways the index loses what it was told, both repaired by republishing the whole held set:
+Three ways the index drifts from what a holder holds, repaired by sending the whole held set:
+- a restart: a holder killed without a goodbye leaves its entries, and the next process under its
+  name starts empty. So the feed's first flush withdraws everything published under the name,
+  then sends what is held (a sync).
 - an outage: Redis without persistence restarts empty, and a call that timed out may or may not
-  have landed. So the first call after a failure sends everything held, not only the changes.
+  have landed. So the first call after a failure is a sync too.
 - entry lifetimes: Redis entries expire `ttl_seconds` after they were last published, and a block
   held for hours (a hot system prompt) is stored once. So every third of the TTL the feed
   republishes the held set, which renews them.
@@ -44,7 +47,7 @@ class IndexFeed:
         self.refresh_s: float = ttl / 3 if ttl else math.inf
         self._refresh_at = clock() + self.refresh_s
         self._changes: dict[bytes, bool] = {}  # hash -> held, not yet in the index
-        self._resend_all = False  # a call failed: the next sends the whole held set
+        self._sync = True  # the next flush withdraws what this name published, then sends all held
         self._down_since: Optional[float] = None  # tick: the first failure of the current outage
         self._failures = 0
         self._retry_at = -math.inf
@@ -63,27 +66,30 @@ class IndexFeed:
         self._changes.clear()
 
     async def flush(self) -> int:
-        """Send the changes, or the whole held set after a failed call or where a refresh is due;
-        the hashes sent. Raises what the index raised (what was to be sent is sent next time)."""
+        """Send the changes, or the whole held set (a sync first, after a failed call; or where a
+        refresh is due); the hashes sent. Raises what the index raised (what was to be sent is sent
+        next time)."""
         async with self._lock:
-            full = self._resend_all or self._clock() >= self._refresh_at
+            sync = self._sync
+            full = sync or self._clock() >= self._refresh_at
             changes, self._changes = self._changes, {}
             stored = list(self._held()) if full else [h for h, held in changes.items() if held]
-            removed = [h for h, held in changes.items() if not held]
+            removed = [] if sync else [h for h, held in changes.items() if not held]
             try:
+                if sync:
+                    await asyncio.wait_for(self.index.drop_holder(self.holder), INDEX_CALL_TIMEOUT_S)
                 for i in range(0, max(len(stored), len(removed)), CHUNK_HASHES):
                     await asyncio.wait_for(self.index.publish(self.holder, stored[i:i + CHUNK_HASHES],
                                                               removed[i:i + CHUNK_HASHES]), INDEX_CALL_TIMEOUT_S)
             except BaseException:
                 changes.update(self._changes)  # newer notes win
                 self._changes = changes
-                self._resend_all = True
+                self._sync = True
                 raise
-            sent = len(stored) + len(removed)
-            if full and sent:  # an empty send reached nobody: it proves nothing
-                self._resend_all = False
+            if full:
+                self._sync = False
                 self._refresh_at = self._clock() + self.refresh_s
-            return sent
+            return len(stored) + len(removed)
 
     async def tick(self, interval: float) -> None:
         """One flush every `interval` while the index answers, fewer (backoff up to MAX_BACKOFF_S)
@@ -103,7 +109,7 @@ class IndexFeed:
                             self._name, type(e).__name__, e)
             return
         self._failures, self._retry_at = 0, -math.inf
-        if self._down_since is not None and sent:
+        if self._down_since is not None:  # a flush after a failure is a sync: it reached the index
             log.warning("%s: the prefix index answers again after %.1f s; republished %d blocks",
                         self._name, self._clock() - self._down_since, sent)
             self._down_since = None

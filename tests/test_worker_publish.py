@@ -29,7 +29,7 @@ class FlakyIndex(MemoryIndex):
         self.calls = 0
 
     async def publish(self, holder: str, stored: list[bytes], removed: list[bytes]) -> None:
-        self.calls += 1
+        self.calls += bool(stored or removed)  # MemoryIndex.drop_holder (the first flush's) comes here empty
         if self.down:
             raise ConnectionError("index unreachable")
         await super().publish(holder, stored, removed)

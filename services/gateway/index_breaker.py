@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 log = logging.getLogger("kvmesh.gateway")
 
 FIRST_BACKOFF_S = 0.5
-MAX_BACKOFF_S = 10.0
+MAX_BACKOFF_S = 5.0
 
 
 class IndexBreaker:

@@ -1,0 +1,133 @@
+"""What an outage of the kvstore or of Redis costs the requests, and how long the stack takes to use
+the dependency again once it is back: a stack of service processes (tests/outage_stack.py: redis,
+kvstore, prefill, decode, gateway; SmolLM2), sequential greedy chat requests, each under a fresh
+cache salt so that every one computes its prompt and crosses the kvstore.
+
+    .venv/bin/python benchmarks/outages.py [--requests 5]
+
+Scenarios, one after the other: healthy; the kvstore killed (SIGKILL), then started again on its
+port; the kvstore frozen (SIGSTOP: connections accepted, nothing answered, as in a partition),
+then thawed; Redis killed, then started again empty; Redis frozen, then thawed. "back in" is from
+the restart (or thaw) to the dependency in use again: the prefill worker's pushes land (kvstore),
+every holder (kvstore, workers) has published to the restarted Redis, unprompted (kill), a
+gateway lookup answers (freeze).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from outage_stack import Services, answer, outage_stack, until  # noqa: E402
+
+
+class Run:
+    def __init__(self, services: Services, reference: str, n: int) -> None:
+        self.s, self.reference, self.n = services, reference, n
+        self.rows: list[str] = []
+
+    async def timed(self, label: str) -> list[float]:
+        took, same = [], 0
+        for i in range(self.n):
+            t0 = time.monotonic()
+            text, _ = await answer(self.s.url, f"{label}-{i}-{time.monotonic()}")
+            took.append(time.monotonic() - t0)
+            same += text == self.reference
+        self.last = (took, same)
+        return took
+
+    def row(self, scenario: str, back_s: float | None) -> None:
+        took, same = self.last
+        s = sorted(took)
+        self.rows.append(f"| {scenario} | {len(took)} | {s[len(s) // 2]:.2f} | {took[0]:.2f} | {max(took):.2f} | "
+                         f"{same}/{len(took)} | " + ("-" if back_s is None else f"{back_s:.1f}") + " |")
+
+    async def pushes_again(self) -> bool:
+        before = await self.s.sample("prefill-0", "kvmesh:worker_blocks_total", op="pushed")
+        await answer(self.s.url, f"probe-{time.monotonic()}")
+        return await self.s.sample("prefill-0", "kvmesh:worker_blocks_total", op="pushed") > before
+
+
+async def holders_in_redis(url: str) -> set[bytes]:
+    """The holders (kvstore, workers) with entries in Redis: a holder's key exists once it published."""
+    import redis.asyncio as aredis
+    r = aredis.Redis.from_url(url)
+    try:
+        return set(await r.keys("kvmesh:holder:*"))
+    finally:
+        await r.aclose()
+
+
+async def main_async(n: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp, outage_stack(os.path.join(tmp, "services.log")) as s:
+        reference, _ = await answer(s.url, "reference")
+        run = Run(s, reference, n)
+        await run.timed("healthy")
+        run.row("healthy", None)
+
+        s.kvstore.popen.kill()
+        s.kvstore.popen.wait()
+        await run.timed("kvstore-killed")
+        t0 = time.monotonic()
+        s.restart_kvstore()
+        await until("pushes land in the restarted kvstore", run.pushes_again)
+        run.row("kvstore killed, restarted", time.monotonic() - t0)
+
+        s.freeze_kvstore()
+        try:
+            await run.timed("kvstore-frozen")
+        finally:
+            s.thaw_kvstore()
+        t0 = time.monotonic()
+        await until("pushes land in the thawed kvstore", run.pushes_again)
+        run.row("kvstore frozen, thawed", time.monotonic() - t0)
+
+        before = await until("holders in Redis", lambda: holders_in_redis(s.redis.url))
+        s.redis.crash()
+        await run.timed("redis-killed")
+        t0 = time.monotonic()
+        s.redis.start(port=s.redis.port)
+
+        async def republished() -> bool:
+            return before <= await holders_in_redis(s.redis.url)
+        await until("every holder republished to the restarted Redis", republished)
+        run.row("redis killed, restarted empty", time.monotonic() - t0)
+
+        s.redis.freeze()
+        try:
+            await run.timed("redis-frozen")
+        finally:
+            s.redis.thaw()
+        t0 = time.monotonic()
+        errors = "kvmesh:prefix_index_errors_total"
+
+        async def misses() -> list[float]:  # lookups routed as misses, by reason
+            return [await s.sample("gateway", errors, model_name="smollm2", reason=r)
+                    for r in ("error", "timeout", "skipped")]
+
+        async def lookups_answer() -> bool:
+            counts = await misses()
+            await answer(s.url, f"lookup-{time.monotonic()}")
+            return counts == await misses()
+        await until("a lookup answers", lookups_answer)
+        run.row("redis frozen, thawed", time.monotonic() - t0)
+
+        print("| scenario | requests | p50 s | first s | max s | same greedy answer | back in s |")
+        print("|---|---|---|---|---|---|---|")
+        print("\n".join(run.rows))
+        problems = s.errors()
+        print("\nservice errors:", "\n".join(problems) if problems else "none")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=5, help="sequential requests a scenario")
+    asyncio.run(main_async(ap.parse_args().requests))
+
+
+if __name__ == "__main__":
+    main()

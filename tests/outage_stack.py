@@ -1,0 +1,122 @@
+"""A stack of service processes for outage tests and benchmarks: a real redis-server, one kvstore,
+one prefill and one decode worker, a gateway (`kvmesh kvstore|prefill|decode|gateway`, the command
+lines `kvmesh up` builds with --redis-url), each a process of its own so that one can be killed,
+frozen or restarted under the others. The gateway sends every uncached prompt to the prefill worker,
+so each request crosses the kvstore.
+
+    with outage_stack(log_path) as services:
+        text, cached = await answer(services.url, salt)
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvmesh.launcher import Stack, StackConfig
+from kvmesh.supervisor import ServiceProcess, Supervisor, probe
+from redis_server import RedisServer
+
+STARTUP_S = 400  # two workers load SmolLM2 on a shared 2-core machine
+RECOVERY_S = 60.0  # for a restarted dependency to be used again
+PROMPT = [{"role": "system", "content": "You answer in one short sentence about tools. " * 6},
+          {"role": "user", "content": "Which tool drives a screw?"}]
+
+
+@dataclass
+class Services:
+    redis: RedisServer
+    supervisor: Supervisor
+    kvstore: ServiceProcess
+    url: str
+    metrics: dict[str, str]  # service name -> /metrics
+    log_path: str  # every service's output
+
+    def log_lines(self, needle: str) -> list[str]:
+        with open(self.log_path) as f:
+            return [line.rstrip() for line in f if needle in line]
+
+    def errors(self) -> list[str]:
+        return (self.log_lines(" ERROR ") + self.log_lines("Traceback"))[:20]
+
+    def others_alive(self) -> list[str]:
+        """Names of the services (the kvstore aside) that have exited."""
+        return [c.name for c in self.supervisor.children if c.role != "kvstore" and c.returncode() is not None]
+
+    async def sample(self, service: str, name: str, **labels: str) -> float:
+        """One sample of a service's /metrics (0 where it has none yet)."""
+        async with aiohttp.ClientSession() as s, s.get(self.metrics[service]) as r:
+            text = await r.text()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and sample.labels == labels:
+                    return sample.value
+        return 0.0
+
+    def freeze_kvstore(self) -> None:
+        """SIGSTOP: it accepts connections and answers nothing, as in a partition."""
+        os.kill(self.kvstore.pid, signal.SIGSTOP)
+
+    def thaw_kvstore(self) -> None:
+        os.kill(self.kvstore.pid, signal.SIGCONT)
+
+    def restart_kvstore(self) -> None:
+        proc = ServiceProcess(self.kvstore.name, "kvstore", self.kvstore.argv, self.kvstore.health)
+        self.supervisor.spawn(proc)
+        self.kvstore = proc
+        deadline = time.monotonic() + 60
+        while not probe(proc.health, 1.0)[0]:
+            assert proc.returncode() is None and time.monotonic() < deadline, proc.last_lines()
+            time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def outage_stack(log_path: str):
+    log = open(log_path, "w")
+    redis = RedisServer().start()
+    plan = Stack(StackConfig(port=0, redis_url=redis.url, metrics=True, log_level="warning",
+                             kvstore_capacity_bytes=64 << 20, startup_timeout_s=STARTUP_S,
+                             engine_flags=("--max-num-seqs", "4", "--max-model-len", "512",
+                                           "--kv-cache-memory", "48MiB"),
+                             extra_args=(("gateway", ("--prefill-threshold-tokens", "0")),)))
+    supervisor = Supervisor(log)
+    try:
+        for wave in plan._plan():
+            for proc in wave:
+                supervisor.spawn(proc)
+            supervisor.wait_healthy(wave, STARTUP_S, threading.Event())
+        kvstore = next(c for c in supervisor.children if c.role == "kvstore")
+        yield Services(redis, supervisor, kvstore, plan.url, plan.metrics_urls, log_path)
+    finally:
+        supervisor.stop({"gateway": 0, "prefill": 1, "decode": 1, "kvstore": 2}, 15.0)
+        redis.stop()
+        log.close()
+
+
+async def answer(url: str, salt: str) -> tuple[str, int]:
+    """A greedy answer to PROMPT under cache salt `salt`, and its cached prompt tokens."""
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300) as oa:
+        r = await oa.chat.completions.create(model="smollm2", messages=PROMPT, max_tokens=12, temperature=0,
+                                             extra_body={"cache_salt": salt})
+    return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
+
+
+async def until(what: str, check, timeout_s: float = RECOVERY_S):
+    """Polls the coroutine function `check` until it returns something true."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = await check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s:g}s: {what}")
+        await asyncio.sleep(0.5)
