@@ -89,6 +89,7 @@ def test_compose_services_roles_and_settings(with_gpu):
     assert r.returncode == 0, r.stderr
     services = json.loads(r.stdout)["services"]
     assert set(services) == {"redis", "jaeger", "kvstore", "prefill", "decode", "gateway"}
+    assert {s.get("restart") for s in services.values()} == {"unless-stopped"}  # outages are ridden out
     jaeger_ports = {p["target"] for p in services["jaeger"]["ports"]}
     assert {4317, 16686} <= jaeger_ports
     images = {services[r]["image"] for r in ROLES}
