@@ -7,10 +7,11 @@ cache salt so that every one computes its prompt and crosses the kvstore.
 
 Scenarios, one after the other: healthy; the kvstore killed (SIGKILL), then started again on its
 port; the kvstore frozen (SIGSTOP: connections accepted, nothing answered, as in a partition),
-then thawed; Redis killed, then started again empty; Redis frozen, then thawed. "back in" is from
+then thawed; Redis killed, then started again empty; Redis frozen, then thawed; the prefill worker
+frozen, then thawed. "back in" is from
 the restart (or thaw) to the dependency in use again: the prefill worker's pushes land (kvstore),
 every holder (kvstore, workers) has published to the restarted Redis, unprompted (kill), a
-gateway lookup answers (freeze).
+gateway lookup answers (freeze), the prefill worker pushes a prompt's blocks again (its freeze).
 """
 from __future__ import annotations
 
@@ -115,6 +116,15 @@ async def main_async(n: int) -> None:
             return counts == await misses()
         await until("a lookup answers", lookups_answer)
         run.row("redis frozen, thawed", time.monotonic() - t0)
+
+        s.freeze("prefill")
+        try:
+            await run.timed("prefill-frozen")
+        finally:
+            s.thaw("prefill")
+        t0 = time.monotonic()
+        await until("the prefill worker takes prompts again", run.pushes_again)
+        run.row("prefill worker frozen, thawed", time.monotonic() - t0)
 
         print("| scenario | requests | p50 s | first s | max s | same greedy answer | back in s |")
         print("|---|---|---|---|---|---|---|")

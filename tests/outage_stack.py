@@ -61,11 +61,20 @@ class Services:
         return 0.0
 
     def freeze_kvstore(self) -> None:
-        """SIGSTOP: it accepts connections and answers nothing, as in a partition."""
-        os.kill(self.kvstore.pid, signal.SIGSTOP)
+        self.freeze("kvstore")
 
     def thaw_kvstore(self) -> None:
-        os.kill(self.kvstore.pid, signal.SIGCONT)
+        self.thaw("kvstore")
+
+    def freeze(self, role: str) -> None:
+        """SIGSTOP: it accepts connections and answers nothing, as in a partition."""
+        os.kill(self.process(role).pid, signal.SIGSTOP)
+
+    def thaw(self, role: str) -> None:
+        os.kill(self.process(role).pid, signal.SIGCONT)
+
+    def process(self, role: str) -> ServiceProcess:
+        return self.kvstore if role == "kvstore" else next(c for c in self.supervisor.children if c.role == role)
 
     def restart_kvstore(self) -> None:
         proc = ServiceProcess(self.kvstore.name, "kvstore", self.kvstore.argv, self.kvstore.health)

@@ -1,6 +1,7 @@
 """Outages of what the services lean on, as on Kubernetes where each service restarts on its own:
 the kvstore, then Redis, killed (SIGKILL) under a serving stack and started again on the same port,
-and Redis frozen (SIGSTOP: it accepts connections and answers nothing, as in a network partition).
+and the kvstore, Redis and the workers frozen (SIGSTOP: they accept connections and answer nothing,
+as in a network partition).
 
 While one is gone every request still answers, greedy-identical, and no other service dies: the
 kvstore is a cache (a prompt whose blocks cannot be pushed or pulled is recomputed) and the index is
@@ -23,6 +24,14 @@ from outage_stack import STARTUP_S, Services, answer, outage_stack, until
 def services(tmp_path_factory):
     with outage_stack(str(tmp_path_factory.mktemp("outages") / "services.log")) as s:
         yield s
+
+
+async def _reference_and_healthy_time(services: Services, tag: str) -> tuple[str, float]:
+    """The greedy answer, and how long a request takes while everything is up."""
+    reference, _ = await answer(services.url, tag)
+    t0 = time.monotonic()
+    await answer(services.url, f"{tag}-timing")
+    return reference, time.monotonic() - t0
 
 
 @pytest.mark.timeout(STARTUP_S + 600)
@@ -87,10 +96,7 @@ async def test_redis_outage_routes_as_misses_then_the_restarted_index_fills_agai
 
 @pytest.mark.timeout(600)
 async def test_a_frozen_redis_costs_a_request_at_most_the_index_timeout(services: Services):
-    reference, _ = await answer(services.url, "before-freeze")
-    t0 = time.monotonic()
-    await answer(services.url, "healthy-timing")
-    healthy = time.monotonic() - t0
+    reference, healthy = await _reference_and_healthy_time(services, "before-freeze")
     timeouts = await services.sample("gateway", "kvmesh:prefix_index_errors_total", model_name="smollm2",
                                      reason="timeout")
     services.redis.freeze()
@@ -119,10 +125,7 @@ async def test_a_frozen_redis_costs_a_request_at_most_the_index_timeout(services
 @pytest.mark.timeout(600)
 async def test_a_frozen_kvstore_costs_the_requests_in_flight_a_bounded_wait_and_the_rest_nothing(
         services: Services):
-    reference, _ = await answer(services.url, "before-store-freeze")
-    t0 = time.monotonic()
-    await answer(services.url, "store-healthy-timing")
-    healthy = time.monotonic() - t0
+    reference, healthy = await _reference_and_healthy_time(services, "before-store-freeze")
     services.freeze_kvstore()
     took = []
     try:
@@ -144,4 +147,41 @@ async def test_a_frozen_kvstore_costs_the_requests_in_flight_a_bounded_wait_and_
         return await services.sample("prefill-0", "kvmesh:worker_blocks_total", op="pushed") > pushed
 
     await until("the prefill worker pushes to the kvstore again", store_used_again)
+    assert not services.errors(), "\n".join(services.errors())
+
+
+@pytest.mark.timeout(600)
+async def test_a_frozen_worker_costs_the_request_in_flight_the_health_checks_then_is_routed_around(
+        services: Services):
+    import openai
+
+    reference, healthy = await _reference_and_healthy_time(services, "before-worker-freeze")
+    services.freeze("prefill")
+    try:
+        took = []
+        for i in range(2):  # the decode worker prefills itself once the prefill worker is down
+            t0 = time.monotonic()
+            assert (await answer(services.url, f"prefill-frozen-{i}"))[0] == reference
+            took.append(time.monotonic() - t0)
+    finally:
+        services.thaw("prefill")
+    # 3 health checks 2 s apart find it down; before, the call waited for gRPC's keepalive (80 s)
+    assert took[0] < healthy + 12 and took[1] < healthy + 2.5, (took, healthy)
+
+    services.freeze("decode")  # the only one: nobody can serve, and the client hears it
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as e:
+            await answer(services.url, "decode-frozen")
+        assert e.value.status_code == 503 and time.monotonic() - t0 < 15, (e.value, time.monotonic() - t0)
+    finally:
+        services.thaw("decode")
+
+    async def served_again():
+        try:
+            return (await answer(services.url, f"thawed-{time.monotonic()}"))[0] == reference
+        except openai.APIStatusError:
+            return False
+
+    await until("both workers serve again", served_again)
     assert not services.errors(), "\n".join(services.errors())

@@ -106,8 +106,10 @@ async def _health_loop(gw: Gateway) -> None:
             # other gateways' requests count too (the worker's own count)
             reported = None if load is None else max(load.running + load.waiting, load.pending)
             if gw.router.observe(client.address, ok, reported):
-                log.warning("worker %s is now %s", client.address,
-                            "up" if gw.router.workers[client.address].healthy else "down")
+                up = gw.router.workers[client.address].healthy
+                log.warning("worker %s is now %s", client.address, "up" if up else "down")
+                if not up and (n := gw.dispatcher.worker_down(client.address)):
+                    log.warning("%d calls to %s that had answered nothing are routed again", n, client.address)
         await asyncio.sleep(gw.cfg.health_interval_s)
 
 

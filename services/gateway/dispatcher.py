@@ -3,14 +3,17 @@
 `Dispatcher.run` yields `Delta`s of all n choices merged, in arrival order. Closing the iterator (a
 client that went away) cancels every gRPC call still open, which makes the decode worker abort the
 request and free its blocks. A worker that is unreachable before it produced anything is marked
-down and the choice is routed again; capacity errors become 429, bad input 400.
+down and the choice is routed again; capacity errors become 429, bad input 400. A worker the health
+checks find down (dead, or hung: a stopped process answers nothing, not even an error) has its
+calls that answered nothing yet cancelled and routed again (`worker_down`): before, a request sent
+to a stopped prefill worker waited 80 s for the channel's keepalive to give up.
 """
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from contextlib import aclosing
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional, Sequence
 
@@ -70,6 +73,20 @@ def sampling_pb(s: Sampling, *, seed: Optional[int], max_tokens: int) -> pb.Samp
     return msg
 
 
+class _Waiting:
+    """A call to a worker that has answered nothing yet."""
+
+    def __init__(self, call) -> None:
+        self.call = call
+        self.abandoned = False
+
+
+def _cancelled_by_us() -> bool:
+    """Whether this task itself is being cancelled (the client left), not only a call of it."""
+    task = asyncio.current_task()
+    return bool(task is not None and getattr(task, "cancelling", lambda: 0)())
+
+
 class Dispatcher:
     def __init__(self, router: Router, clients: WorkerClients, metrics: GatewayMetrics, *,
                  timeout_s: float) -> None:
@@ -77,6 +94,30 @@ class Dispatcher:
         self.clients = clients
         self.metrics = metrics
         self.timeout_s = timeout_s
+        self._waiting: dict[str, set[_Waiting]] = {}  # worker -> its calls that answered nothing yet
+
+    def worker_down(self, address: str) -> int:
+        """The health checks found `address` down: cancel its calls that answered nothing yet (their
+        choices are routed again). How many."""
+        waiting = self._waiting.pop(address, set())
+        for w in waiting:
+            w.abandoned = True
+            w.call.cancel()
+        return len(waiting)
+
+    @contextmanager
+    def _watch(self, address: str, call):
+        """While inside, `call` is cancelled if `address` goes down; _WorkerDown is raised then."""
+        w = _Waiting(call)
+        self._waiting.setdefault(address, set()).add(w)
+        try:
+            yield w
+        except asyncio.CancelledError:
+            if w.abandoned and not _cancelled_by_us():
+                raise _WorkerDown(address, None) from None
+            raise
+        finally:
+            self._waiting.get(address, set()).discard(w)
 
     async def run(self, request_id: str, prompt_ids: Sequence[int], hashes: Sequence[bytes],
                   holders: Sequence[frozenset[str]], sampling: Sampling, *, n: int, max_tokens: int,
@@ -111,7 +152,7 @@ class Dispatcher:
             except _WorkerDown as e:
                 # Nothing reached the client yet: route around the dead worker.
                 if produced or e.address in tried:
-                    raise api_error_from_grpc(e.error, e.address) from None
+                    raise e.api_error() from None
                 tried.add(e.address)
                 self.router.mark(e.address, False)
 
@@ -149,7 +190,7 @@ class Dispatcher:
                     self.router.mark(e.address, False)
                     others = self.router.healthy("decode")
                     if not others:
-                        raise api_error_from_grpc(e.error, e.address) from None
+                        raise e.api_error() from None
                     decode = self.router.choose({a: float(self.router.workers[a].load) for a in others})
         req = pb.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt_ids),
                                  sampling=params, cache_salt=cache_salt, do_prefill=True,
@@ -167,7 +208,10 @@ class Dispatcher:
         self.router.begin(address, queued)
         call = self.clients[address].generate(req, timeout=self.timeout_s)
         try:
-            async for chunk in call:
+            with self._watch(address, call):  # until the first chunk: a stream that answers is not abandoned
+                chunk = await anext(aiter(call), None)
+            chunks = call if chunk is None else _prepend(chunk, call)
+            async for chunk in chunks:
                 if first:
                     self.router.prefilled(address, queued)
                     queued = 0
@@ -193,8 +237,10 @@ class Dispatcher:
     async def _prefill(self, address: str, req: pb.PrefillRequest, queued: int) -> pb.PrefillReply:
         self.router.begin(address, queued)
         start = time.perf_counter()
+        call = self.clients[address].prefill(req, timeout=self.timeout_s)
         try:
-            reply = await self.clients[address].prefill(req, timeout=self.timeout_s)
+            with self._watch(address, call):
+                reply = await call
             self.metrics.lab(self.metrics.prefill_call).observe(time.perf_counter() - start)
             return reply
         except grpc.aio.AioRpcError as e:
@@ -206,10 +252,21 @@ class Dispatcher:
 
 
 class _WorkerDown(Exception):
-    def __init__(self, address: str, error: grpc.aio.AioRpcError) -> None:
+    def __init__(self, address: str, error: Optional[grpc.aio.AioRpcError]) -> None:
         super().__init__(address)
         self.address = address
-        self.error = error
+        self.error = error  # None: the health checks found it down while the call waited
+
+    def api_error(self) -> ApiError:
+        if self.error is not None:
+            return api_error_from_grpc(self.error, self.address)
+        return ApiError(503, f"worker {self.address} stopped answering health checks", type="service_unavailable")
+
+
+async def _prepend(first, rest) -> AsyncIterator:
+    yield first
+    async for item in rest:
+        yield item
 
 
 async def merge(its: list) -> AsyncIterator:

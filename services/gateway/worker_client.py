@@ -32,8 +32,9 @@ class WorkerClient:
         self._decode = pb_grpc.DecodeStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
-    async def prefill(self, req: pb.PrefillRequest, timeout: float) -> pb.PrefillReply:
-        return await self._prefill.Prefill(req, timeout=timeout)
+    def prefill(self, req: pb.PrefillRequest, timeout: float) -> grpc.aio.UnaryUnaryCall:
+        """The live call (await it for the reply; `cancel()` abandons it)."""
+        return self._prefill.Prefill(req, timeout=timeout)
 
     def generate(self, req: pb.GenerateRequest, timeout: float) -> grpc.aio.UnaryStreamCall:
         return self._decode.Generate(req, timeout=timeout)
