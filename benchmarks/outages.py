@@ -3,7 +3,7 @@ the dependency again once it is back: a stack of service processes (tests/outage
 kvstore, prefill, decode, gateway; SmolLM2), sequential greedy chat requests, each under a fresh
 cache salt so that every one computes its prompt and crosses the kvstore.
 
-    .venv/bin/python benchmarks/outages.py [--requests 5]
+    .venv/bin/python benchmarks/outages.py [--requests 5] [--chaos-seconds 120 --clients 6]
 
 Scenarios, one after the other: healthy; the kvstore killed (SIGKILL), then started again on its
 port; the kvstore frozen (SIGSTOP: connections accepted, nothing answered, as in a partition),
@@ -12,6 +12,10 @@ frozen, then thawed. "back in" is from
 the restart (or thaw) to the dependency in use again: the prefill worker's pushes land (kvstore),
 every holder (kvstore, workers) has published to the restarted Redis, unprompted (kill), a
 gateway lookup answers (freeze), the prefill worker pushes a prompt's blocks again (its freeze).
+
+Then, with --chaos-seconds, the long variant of the CI's chaos soak (tests/chaos.py, CHAOS_LONG):
+the soak's clients for that long while the kvstore, Redis and the prefill worker are frozen, killed
+and brought back one after another; its table, and the problems if any rule broke (exit 1).
 """
 from __future__ import annotations
 
@@ -23,7 +27,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from chaos import CHAOS_LONG, run_chaos  # noqa: E402
 from outage_stack import Services, answer, outage_stack, until  # noqa: E402
+from soak import QuietProbes, SoakConfig, check_quiet, table  # noqa: E402
 
 
 class Run:
@@ -63,7 +69,18 @@ async def holders_in_redis(url: str) -> set[bytes]:
         await r.aclose()
 
 
-async def main_async(n: int) -> None:
+async def chaos_soak(s: Services, seconds: float, clients: int) -> list[str]:
+    """The long chaos soak; the problems found."""
+    report, done = await run_chaos(s, SoakConfig(seconds=seconds, clients=clients, seed=11), CHAOS_LONG)
+    print(f"\n## chaos soak: {seconds:g} s, {clients} clients; outages: {'; '.join(done)}")
+    print(table(report))
+    print(f"{sum(report.counts.values())} requests in {report.seconds:.0f} s")
+    held = await check_quiet(QuietProbes(s.metrics["gateway"], (s.metrics["prefill-0"], s.metrics["decode-0"]),
+                                         (s.kvstore.health,)))
+    return report.problems + held + s.errors() + [f"{n} is dead" for n in s.others_alive()]
+
+
+async def main_async(n: int, chaos_seconds: float, clients: int) -> int:
     with tempfile.TemporaryDirectory() as tmp, outage_stack(os.path.join(tmp, "services.log")) as s:
         reference, _ = await answer(s.url, "reference")
         run = Run(s, reference, n)
@@ -131,12 +148,19 @@ async def main_async(n: int) -> None:
         print("\n".join(run.rows))
         problems = s.errors()
         print("\nservice errors:", "\n".join(problems) if problems else "none")
+        if chaos_seconds > 0:
+            problems += await chaos_soak(s, chaos_seconds, clients)
+            print("\nproblems:", "\n".join(problems) if problems else "none")
+        return 1 if problems else 0
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=5, help="sequential requests a scenario")
-    asyncio.run(main_async(ap.parse_args().requests))
+    ap.add_argument("--chaos-seconds", type=float, default=0.0, help="then a chaos soak this long (0: none)")
+    ap.add_argument("--clients", type=int, default=6, help="the chaos soak's clients")
+    args = ap.parse_args()
+    sys.exit(asyncio.run(main_async(args.requests, args.chaos_seconds, args.clients)))
 
 
 if __name__ == "__main__":

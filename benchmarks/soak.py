@@ -21,13 +21,12 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from soak import SoakConfig, check_quiet, greedy_answer, run_soak, table  # noqa: E402
-from test_soak import MAX_MODEL_LEN, _segments, logged_errors, probes, soak_stack_config  # noqa: E402
+from test_soak import MAX_MODEL_LEN, logged_errors, probes, segments_of, soak_stack_config, stack_pids  # noqa: E402
 
 from kvmesh.launcher import Stack  # noqa: E402
 
 
 def one_stack(args: argparse.Namespace, kv_dtype: str) -> list[str]:
-    before = _segments()
     cfg = soak_stack_config(kv_dtype, args.kv_cache_memory)
     where = () if args.engine_process == "on" else ("--no-engine-process",)
     cfg = dataclasses.replace(cfg, num_prefill=args.num_prefill, num_decode=args.num_decode,
@@ -53,7 +52,8 @@ def one_stack(args: argparse.Namespace, kv_dtype: str) -> list[str]:
             problems.append("the greedy answer after the load differs from the one before it")
         problems += [f"{c.name} died" for c in stack.children if c.popen.poll() is not None]
         problems += [f"logged: {line}" for line in logged_errors(log)]
-    leaked = _segments() - before
+        pids = stack_pids(stack)
+    leaked = segments_of(pids)
     if leaked:
         problems.append(f"shared-memory segments left behind: {sorted(leaked)}")
     return problems

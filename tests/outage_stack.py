@@ -34,7 +34,6 @@ PROMPT = [{"role": "system", "content": "You answer in one short sentence about 
 class Services:
     redis: RedisServer
     supervisor: Supervisor
-    kvstore: ServiceProcess
     url: str
     metrics: dict[str, str]  # service name -> /metrics
     log_path: str  # every service's output
@@ -47,8 +46,13 @@ class Services:
         return (self.log_lines(" ERROR ") + self.log_lines("Traceback"))[:20]
 
     def others_alive(self) -> list[str]:
-        """Names of the services (the kvstore aside) that have exited."""
-        return [c.name for c in self.supervisor.children if c.role != "kvstore" and c.returncode() is not None]
+        """Names of the services (the kvstore aside) whose latest process has exited."""
+        latest = {c.name: c for c in self.supervisor.children}
+        return [n for n, c in latest.items() if c.role != "kvstore" and c.returncode() is not None]
+
+    @property
+    def kvstore(self) -> ServiceProcess:
+        return self.process("kvstore")
 
     async def sample(self, service: str, name: str, **labels: str) -> float:
         """One sample of a service's /metrics (0 where it has none yet)."""
@@ -74,13 +78,18 @@ class Services:
         os.kill(self.process(role).pid, signal.SIGCONT)
 
     def process(self, role: str) -> ServiceProcess:
-        return self.kvstore if role == "kvstore" else next(c for c in self.supervisor.children if c.role == role)
+        """The latest process of `role` (one service a role here)."""
+        return [c for c in self.supervisor.children if c.role == role][-1]
 
     def restart_kvstore(self) -> None:
-        proc = ServiceProcess(self.kvstore.name, "kvstore", self.kvstore.argv, self.kvstore.health)
+        self.restart("kvstore")
+
+    def restart(self, role: str) -> None:
+        """Starts `role` again, its old process gone, with the same command line (its port too)."""
+        old = self.process(role)
+        proc = ServiceProcess(old.name, role, old.argv, old.health)
         self.supervisor.spawn(proc)
-        self.kvstore = proc
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + STARTUP_S
         while not probe(proc.health, 1.0)[0]:
             assert proc.returncode() is None and time.monotonic() < deadline, proc.last_lines()
             time.sleep(0.2)
@@ -101,8 +110,7 @@ def outage_stack(log_path: str):
             for proc in wave:
                 supervisor.spawn(proc)
             supervisor.wait_healthy(wave, STARTUP_S, threading.Event())
-        kvstore = next(c for c in supervisor.children if c.role == "kvstore")
-        yield Services(redis, supervisor, kvstore, plan.url, plan.metrics_urls, log_path)
+        yield Services(redis, supervisor, plan.url, plan.metrics_urls, log_path)
     finally:
         supervisor.stop({"gateway": 0, "prefill": 1, "decode": 1, "kvstore": 2}, 15.0)
         redis.stop()

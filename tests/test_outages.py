@@ -17,7 +17,9 @@ import time
 
 import pytest
 
+from chaos import CHAOS_SHORT, run_chaos
 from outage_stack import STARTUP_S, Services, answer, outage_stack, until
+from soak import QuietProbes, SoakConfig, check_quiet, table
 
 
 @pytest.fixture(scope="module")
@@ -184,4 +186,25 @@ async def test_a_frozen_worker_costs_the_request_in_flight_the_health_checks_the
             return False
 
     await until("both workers serve again", served_again)
+    assert not services.errors(), "\n".join(services.errors())
+
+
+@pytest.mark.timeout(900)
+async def test_the_soak_rides_out_outages_one_after_another(services: Services):
+    """tests/chaos.py: the kvstore frozen, Redis killed, the prefill worker frozen, the kvstore killed,
+    each brought back, under the soak's mix; every request keeps the soak's rules (no 5xx, exactly
+    its tokens) and afterwards nothing is held anywhere and the greedy answer is unchanged."""
+    reference, _ = await answer(services.url, "before-chaos")
+    report, done = await run_chaos(services, SoakConfig(seconds=45, clients=4, seed=5, max_model_len=512),
+                                   CHAOS_SHORT)
+    print(done, table(report), sep="\n")
+    assert len(done) == len(CHAOS_SHORT), done
+    assert not report.problems, "\n".join(report.problems)
+    assert sum(n for (k, o), n in report.counts.items() if k == "chat" and o == "ok") > 0, report.counts
+    held = await check_quiet(QuietProbes(services.metrics["gateway"],
+                                         (services.metrics["prefill-0"], services.metrics["decode-0"]),
+                                         (services.kvstore.health,)))
+    assert not held, "\n".join(held)
+    assert (await answer(services.url, "after-chaos"))[0] == reference
+    assert not services.others_alive(), services.others_alive()
     assert not services.errors(), "\n".join(services.errors())

@@ -38,13 +38,34 @@ def logged_errors(log_path) -> list[str]:
         return [line.rstrip() for line in f if " ERROR " in line or "Traceback" in line][:20]
 
 
-def _segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("kvmesh-")} if os.path.isdir("/dev/shm") else set()
+def stack_pids(stack: Stack) -> set[int]:
+    """The stack's processes and their descendants (a worker's engine process): whose shared-memory
+    segments the stack must give back. Other kvmesh processes on the machine are not its business."""
+    pids = {c.pid for c in stack.children}
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    grown = True
+    while grown:
+        more = {pid for pid, parent in parents.items() if parent in pids} - pids
+        pids |= more
+        grown = bool(more)
+    return pids
+
+
+def segments_of(pids: set[int]) -> set[str]:
+    """Shared-memory segments in /dev/shm that processes `pids` created ("kvmesh-<pid>-<random>")."""
+    names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
+    return {n for n in names if n.startswith("kvmesh-") and n.split("-")[1].isdigit() and int(n.split("-")[1]) in pids}
 
 
 @pytest.mark.timeout(STARTUP_S + 400)
 def test_the_stack_holds_under_a_soak_and_gives_everything_back(tmp_path):
-    before = _segments()
     log = tmp_path / "stack.log"
     with open(log, "w") as out, Stack(soak_stack_config(), log=out) as stack:
         model = "smollm2"
@@ -61,4 +82,5 @@ def test_the_stack_holds_under_a_soak_and_gives_everything_back(tmp_path):
         assert asyncio.run(greedy_answer(stack.url, model)) == reference
         assert not [c.name for c in stack.children if c.popen.poll() is not None]  # nobody died
         assert not logged_errors(log), "\n".join(logged_errors(log))
-    assert _segments() <= before, _segments() - before  # every shared-memory segment went with its process
+        pids = stack_pids(stack)
+    assert not segments_of(pids)  # every shared-memory segment went with its process
