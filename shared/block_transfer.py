@@ -113,6 +113,22 @@ class BlockTransfer:
         self.holder = holder
         self.lease_seconds = lease_seconds
         self.metrics = metrics
+        self._unreachable = False  # every node down: logged once, until a call goes through again
+
+    def _failed(self, what: str, e: Exception) -> None:
+        """A kvstore call failed. With every node down (the client raises a ConnectionError without
+        calling) that is once an outage, not once a request; `worker_transfer_errors_total` counts each."""
+        if not isinstance(e, ConnectionError):
+            log.warning("kvstore %s: %s", what, e)
+        elif not self._unreachable:
+            self._unreachable = True
+            log.warning("kvstore %s: %s; recomputing what it would serve until a node answers (logged once)",
+                        what, e)
+
+    def _answered(self) -> None:
+        if self._unreachable:
+            self._unreachable = False
+            log.warning("a kvstore node answers again")
 
     async def pull(self, engine: Any, hashes: Sequence[bytes], cache_salt: str = "",
                    local: Collection[bytes] = ()) -> PullResult:
@@ -149,8 +165,9 @@ class BlockTransfer:
                 got = await self.kvstore.get(want, lease_holder=self.holder, lease_seconds=self.lease_seconds,
                                              into=space)
             except Exception as e:  # no store reachable: a cache miss, not a failed request
-                log.warning("kvstore get of %d blocks failed, recomputing them: %s", len(want), e)
+                self._failed(f"get of {len(want)} blocks failed, recomputing them", e)
                 return PullResult([], len(want), 0, time.perf_counter() - start, error=str(e))
+            self._answered()
             try:
                 usable: list[ExportedBlock] = []
                 for h, blk in zip(want, got):
@@ -171,7 +188,7 @@ class BlockTransfer:
                     try:
                         await self.kvstore.release(leased, self.holder)
                     except Exception as e:  # the leases expire after --lease-seconds anyway
-                        log.warning("kvstore release of %d blocks failed: %s", len(leased), e)
+                        self._failed(f"release of {len(leased)} blocks failed", e)
         finally:
             if not handed:
                 engine.release_import(space)
@@ -190,6 +207,7 @@ class BlockTransfer:
                 await self.kvstore.put([StoredBlock(hash=b.hash, token_ids=list(b.token_ids), data=b.data,
                                                     layout=self.layout_id, shared=b.shared) for b in todo])
         except Exception as e:  # the store is advisory for correctness: readers recompute
-            log.warning("kvstore put of %d blocks failed: %s", len(todo), e)
+            self._failed(f"put of {len(todo)} blocks failed", e)
             return PushResult(0, 0, time.perf_counter() - start, error=str(e))
+        self._answered()
         return PushResult(len(todo), sum(len(b.data) for b in todo), time.perf_counter() - start)
