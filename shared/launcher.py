@@ -4,7 +4,9 @@ Start order: the prefix index and the kvstore node(s) first, then the prefill an
 (they load the model in parallel), then the gateway; each waits for the one before it to answer its
 health check (gRPC health for the gRPC services, GET /health for the HTTP ones). Stop order is the
 reverse, SIGTERM then SIGKILL after a grace period (kvmesh.supervisor runs the child processes). A
-child that exits on its own stops the rest with a message naming it.
+child that exits on its own stops the rest with a message naming it; with --restart it is started
+again instead (the others ride out its absence: docs/kvstore.md, tests/test_outages.py), unless it
+keeps dying.
 
 Without --redis-url the prefix index is one `MemoryIndex` served by a `kvmesh index` child over HTTP
 (see kvmesh.remote_index); every service gets its URL as --redis-url, since `make_index` maps an
@@ -20,6 +22,7 @@ import shlex
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Optional, TextIO
 
@@ -32,6 +35,8 @@ __all__ = ["Stack", "StackConfig", "StackError", "add_up_args", "free_port", "pr
 ROLES_IN_START_ORDER = (("index", "kvstore"), ("prefill", "decode"), ("gateway",))
 # Stop ranks, lowest first: the reverse of ROLES_IN_START_ORDER (the gateway stops taking requests first).
 STOP_ORDER = {"gateway": 0, "prefill": 1, "decode": 1, "kvstore": 2, "index": 3}
+RESTARTS_PER_WINDOW = 5  # --restart: more deaths than this in the window is a crash loop; the stack stops
+RESTART_WINDOW_S = 300.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,6 +71,9 @@ class StackConfig:
     """--kvstore-capacity-bytes: each kvstore node's pool size."""
     otlp_endpoint: Optional[str] = None
     """--otlp-endpoint: OTLP gRPC endpoint every service sends traces to."""
+    restart: bool = False
+    """--restart: a service that dies is started again with the same command line (at most
+    `RESTARTS_PER_WINDOW` times in `RESTART_WINDOW_S` each), instead of stopping the stack."""
     metrics: bool = False
     """--metrics: every kvstore and worker serves Prometheus /metrics too, each on a free port
     (`Stack.metrics_urls`, listed when the stack is up); the gateway always does."""
@@ -119,7 +127,7 @@ class StackConfig:
             api_key=args.api_key or None, num_prefill=args.num_prefill, num_decode=args.num_decode,
             num_kvstore=args.num_kvstore, kvstore_capacity_bytes=args.kvstore_capacity_bytes,
             otlp_endpoint=args.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,
-            metrics=args.metrics,
+            metrics=args.metrics, restart=args.restart,
             log_level=args.log_level, startup_timeout_s=args.startup_timeout, extra_args=extra)
 
 
@@ -160,6 +168,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--otlp-endpoint", default=None, help="OTLP gRPC endpoint for every service's traces")
     p.add_argument("--metrics", action="store_true",
                    help="kvstores and workers serve Prometheus /metrics too, each on a free port (listed at start)")
+    p.add_argument("--restart", action="store_true",
+                   help="a service that dies is started again (the others ride out its absence) instead of "
+                        f"stopping the stack; at most {RESTARTS_PER_WINDOW} times in {RESTART_WINDOW_S:g} s each")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     p.add_argument("--startup-timeout", type=float, default=d.startup_timeout_s,
                    help="seconds each service may take to become healthy")
@@ -182,6 +193,7 @@ class Stack:
         self.gateway_port = cfg.port or self._free_port()
         self.index_url = cfg.redis_url
         self.metrics_urls: dict[str, str] = {}  # service name -> its /metrics (the gateway's always)
+        self._restarts: dict[str, list[float]] = {}  # service name -> when --restart started it again
         self._abort = threading.Event()
 
     @property
@@ -277,6 +289,19 @@ class Stack:
             raise
         return self
 
+    def restart(self, dead: ServiceProcess) -> bool:
+        """Start `dead` again with its command line (its port too), unless it died
+        RESTARTS_PER_WINDOW times in the last RESTART_WINDOW_S (a crash loop: False)."""
+        now = time.monotonic()
+        recent = [t for t in self._restarts.get(dead.name, []) if now - t < RESTART_WINDOW_S]
+        if len(recent) >= RESTARTS_PER_WINDOW:
+            return False
+        self._restarts[dead.name] = recent + [now]
+        self.supervisor.emit(dead, f"exited with code {dead.returncode()}; starting it again "
+                                   f"({len(recent) + 1} of {RESTARTS_PER_WINDOW} in {RESTART_WINDOW_S:g} s)")
+        self.supervisor.respawn(dead)
+        return True
+
     def interrupt(self) -> None:
         """Abort a start() in progress (from a signal handler or another thread)."""
         self._abort.set()
@@ -343,6 +368,8 @@ def run_stack(cfg: StackConfig, out: TextIO = sys.stdout) -> int:
                   file=out, flush=True)
         while not stop.wait(0.5):
             dead = stack.dead()
+            if dead is not None and cfg.restart and stack.restart(dead):
+                continue
             if dead is not None:
                 print(f"\nkvmesh up: {stack._died_message(dead)}", file=out, flush=True)
                 stack.stop()

@@ -160,6 +160,18 @@ class Supervisor:
         proc.pump.start()
         self.children.append(proc)
 
+    def respawn(self, dead: ServiceProcess) -> ServiceProcess:
+        """A new process for the service of `dead` (same name, command line and health check), in its place."""
+        if dead.pump is not None:
+            dead.pump.join(2.0)  # its last lines first
+        if dead.popen is not None and dead.popen.stdout is not None:
+            dead.popen.stdout.close()
+        proc = ServiceProcess(dead.name, dead.role, dead.argv, dead.health)
+        self.spawn(proc)
+        self.children.remove(proc)
+        self.children[self.children.index(dead)] = proc
+        return proc
+
     def dead(self) -> Optional[ServiceProcess]:
         """The first child that has exited, if any."""
         return next((c for c in self.children if c.returncode() is not None), None)

@@ -204,3 +204,77 @@ def test_sigint_during_startup_stops_what_started():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_restart_starts_a_dead_service_again_until_it_keeps_dying():
+    from kvmesh.launcher import RESTARTS_PER_WINDOW
+    from kvmesh.supervisor import ServiceProcess
+
+    stack = Stack(StackConfig(port=0, restart=True))
+    stack.supervisor.spawn(ServiceProcess("kvstore-0", "kvstore", [sys.executable, "-c", "raise SystemExit(3)"],
+                                          "127.0.0.1:9"))
+
+    def next_death():
+        deadline = time.monotonic() + 30
+        while (dead := stack.dead()) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        return dead
+
+    pids = set()
+    for _ in range(RESTARTS_PER_WINDOW):
+        dead = next_death()
+        pids.add(dead.pid)
+        assert dead.returncode() == 3 and stack.restart(dead)
+        assert len(stack.children) == 1 and stack.children[0] is not dead
+    dead = next_death()
+    assert not stack.restart(dead)  # a crash loop: the stack gives up and stops
+    assert len(pids | {dead.pid}) == RESTARTS_PER_WINDOW + 1
+    stack.stop()
+
+
+@pytest.mark.timeout(STARTUP_S + 400)
+def test_kvmesh_up_restart_brings_back_a_killed_kvstore_and_decode_worker():
+    import openai
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    cmd = [sys.executable, "-m", "kvmesh", "up", "--port", "0", "--restart", "--num-prefill", "0",
+           "--max-num-seqs", "4", "--kv-cache-memory", "64MiB", "--kvstore-capacity-bytes", str(64 << 20),
+           "--startup-timeout", str(STARTUP_S)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    out = _Output(proc)
+    try:
+        url = out.wait_for(r"kvmesh is up: (http://\S+)/v1", STARTUP_S + 30).group(1)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+        msgs = [{"role": "user", "content": "Name one tool."}]
+        ask = lambda: client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=6,  # noqa: E731
+                                                     temperature=0).choices[0].message.content
+        reference = ask()
+        for role in ("kvstore", "decode"):
+            before = {c: _cmdline(c) for c in _children(proc.pid)}
+            victim = next(c for c, line in before.items() if f" {role} " in line)
+            os.kill(victim, signal.SIGKILL)
+            out.wait_for(rf"\[{role}-0\] exited with code -9; starting it again \(1 of 5", 30)
+            deadline = time.monotonic() + STARTUP_S
+            while True:  # the decode worker loads the model again; the gateway finds it up
+                try:
+                    assert ask() == reference
+                    break
+                except openai.APIStatusError as e:
+                    assert e.status_code == 503 and time.monotonic() < deadline, e
+                    time.sleep(1)
+            assert proc.poll() is None
+            now = {c: _cmdline(c) for c in _children(proc.pid)}
+            assert victim not in now and len(now) == len(before)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return " " + f.read().replace(b"\0", b" ").decode() + " "
