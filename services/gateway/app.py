@@ -145,7 +145,8 @@ def build_app(cfg: GatewayConfig, *, tokenizer: Any = None, index: Any = None,
     gw = Gateway(cfg=cfg, tokenizer=tokenizer, index=index,
                  lookups=IndexBreaker(index, cfg.index_timeout_s, metrics.index_error), model_id=model_id,
                  max_model_len=max_model_len, router=router, clients=clients, metrics=metrics,
-                 dispatcher=Dispatcher(router, clients, metrics, timeout_s=cfg.request_timeout_s))
+                 dispatcher=Dispatcher(router, clients, metrics, timeout_s=cfg.request_timeout_s,
+                                       detokenize=tokenizer.decode))
     tracer = tracer or trace.get_tracer("kvmesh.gateway")
     # tracing outermost: its span is current while the handler calls workers, and sees the final status
     app = web.Application(middlewares=[tracing_middleware(tracer), errors_and_auth],

@@ -5,8 +5,9 @@ client that went away) cancels every gRPC call still open, which makes the decod
 request and free its blocks. A worker that is unreachable before it produced anything is marked
 down and the choice is routed again; capacity errors become 429, bad input 400. A worker the health
 checks find down (dead, or hung: a stopped process answers nothing, not even an error) has its
-calls that answered nothing yet cancelled and routed again (`worker_down`): before, a request sent
-to a stopped prefill worker waited 80 s for the channel's keepalive to give up.
+calls cancelled (`worker_down`): before, a request sent to a stopped prefill worker waited 80 s for
+the channel's keepalive to give up. A choice whose decode worker dies or hangs after it sent tokens
+goes on on another decode worker where that is exact (`resumption.py`).
 """
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ import time
 import uuid
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional, Sequence
+from typing import AsyncIterator, Callable, Optional, Sequence
 
 import grpc
 
 from kvmesh.gateway.metrics import GatewayMetrics
 from kvmesh.gateway.openai_api import ApiError, Sampling
+from kvmesh.gateway.resumption import resumable, resumed_sampling
 from kvmesh.gateway.router import NoWorkerError, RouteDecision, Router
 from kvmesh.gateway.worker_client import WorkerClients
 from kvmesh.wire import kvmesh_pb2 as pb
@@ -74,11 +76,17 @@ def sampling_pb(s: Sampling, *, seed: Optional[int], max_tokens: int) -> pb.Samp
 
 
 class _Waiting:
-    """A call to a worker that has answered nothing yet."""
+    """A call to a worker in flight: `progress` its chunks so far, `can_resume` whether its choice
+    could go on elsewhere from what it sent (a stream that sent tokens is only given up then)."""
 
-    def __init__(self, call) -> None:
+    def __init__(self, call, progress: Optional[list], can_resume: Optional[Callable[[], bool]]) -> None:
         self.call = call
+        self.progress = progress
+        self.can_resume = can_resume
         self.abandoned = False
+
+    def worth_abandoning(self) -> bool:
+        return not self.progress or (self.can_resume is not None and self.can_resume())
 
 
 def _cancelled_by_us() -> bool:
@@ -89,32 +97,37 @@ def _cancelled_by_us() -> bool:
 
 class Dispatcher:
     def __init__(self, router: Router, clients: WorkerClients, metrics: GatewayMetrics, *,
-                 timeout_s: float) -> None:
+                 timeout_s: float, detokenize: Optional[Callable[[list[int]], str]] = None) -> None:
         self.router = router
         self.clients = clients
         self.metrics = metrics
         self.timeout_s = timeout_s
-        self._waiting: dict[str, set[_Waiting]] = {}  # worker -> its calls that answered nothing yet
+        self.detokenize = detokenize  # token ids -> text as the workers stream it (resumption.py)
+        self._waiting: dict[str, set[_Waiting]] = {}  # worker -> its calls in flight
 
     def worker_down(self, address: str) -> int:
-        """The health checks found `address` down: cancel its calls that answered nothing yet (their
-        choices are routed again). How many."""
-        waiting = self._waiting.pop(address, set())
-        for w in waiting:
+        """The health checks found `address` down: cancel its calls in flight (their choices are
+        routed again, or resumed elsewhere where they had sent tokens). How many."""
+        waiting = self._waiting.get(address, set())
+        given_up = [w for w in waiting if w.worth_abandoning()]  # the rest may yet go on: left alone
+        for w in given_up:
+            waiting.discard(w)
             w.abandoned = True
             w.call.cancel()
-        return len(waiting)
+        return len(given_up)
 
     @contextmanager
-    def _watch(self, address: str, call):
-        """While inside, `call` is cancelled if `address` goes down; _WorkerDown is raised then."""
-        w = _Waiting(call)
+    def _watch(self, address: str, call, progress: Optional[list] = None,
+               can_resume: Optional[Callable[[], bool]] = None):
+        """While inside, `call` is cancelled if `address` goes down (_Waiting.worth_abandoning);
+        _WorkerDown is raised then (mid-stream where `progress`, the chunks so far, is not empty)."""
+        w = _Waiting(call, progress, can_resume)
         self._waiting.setdefault(address, set()).add(w)
         try:
             yield w
         except asyncio.CancelledError:
             if w.abandoned and not _cancelled_by_us():
-                raise _WorkerDown(address, None) from None
+                raise _WorkerDown(address, None, mid_stream=bool(progress)) from None
             raise
         finally:
             self._waiting.get(address, set()).discard(w)
@@ -141,24 +154,60 @@ class Dispatcher:
             except NoWorkerError as e:
                 raise ApiError(503, str(e), type="service_unavailable") from None
             self.metrics.decision(decision.reason, decision.predicted_hit_tokens)
-            produced = False
+            sent_ids: list[int] = []
+            sent_text: list[str] = []
+            can_resume = lambda: resumable(params, sent_ids, "".join(sent_text), self.detokenize)  # noqa: E731
             try:
                 async with aclosing(self._attempt(index, request_id, prompt_ids, decision, params,
-                                                  cache_salt)) as attempt:
+                                                  cache_salt, can_resume)) as attempt:
                     async for d in attempt:
-                        produced = True
+                        sent_ids.extend(d.token_ids)
+                        sent_text.append(d.text)
                         yield d
                 return
             except _WorkerDown as e:
+                if sent_ids:  # tokens reached the client: go on elsewhere from there, if exact
+                    async with aclosing(self._resume(index, request_id, prompt_ids, params, cache_salt,
+                                                     sent_ids, "".join(sent_text), e)) as rest:
+                        async for d in rest:
+                            yield d
+                    return
                 # Nothing reached the client yet: route around the dead worker.
-                if produced or e.address in tried:
+                if e.address in tried:
                     raise e.api_error() from None
                 tried.add(e.address)
                 self.router.mark(e.address, False)
 
+    async def _resume(self, index: int, request_id: str, prompt_ids: Sequence[int], params: pb.SamplingParams,
+                      cache_salt: str, sent_ids: list[int], sent_text: str, failed: "_WorkerDown"
+                      ) -> AsyncIterator[Delta]:
+        """The rest of a choice on another decode worker, after `failed` (resumption.py)."""
+        tried = {failed.address}
+        while True:
+            self.router.mark(failed.address, False)
+            others = [a for a in self.router.healthy("decode") if a not in tried]
+            if not others or not resumable(params, sent_ids, sent_text, self.detokenize):
+                raise failed.api_error()
+            address = self.router.choose({a: float(self.router.workers[a].load) for a in others})
+            tried.add(address)
+            self.metrics.lab(self.metrics.resumed_choices).inc()
+            req = pb.GenerateRequest(request_id=f"{request_id}+{len(sent_ids)}",
+                                     prompt_token_ids=list(prompt_ids) + sent_ids, cache_salt=cache_salt,
+                                     sampling=resumed_sampling(params, len(sent_ids)), do_prefill=True)
+            try:
+                can_resume = lambda: resumable(params, sent_ids, sent_text, self.detokenize)  # noqa: E731
+                async with aclosing(self._decode(address, req, index, None, can_resume)) as stream:
+                    async for d in stream:
+                        sent_ids.extend(d.token_ids)
+                        sent_text += d.text
+                        yield d
+                return
+            except _WorkerDown as e:
+                failed = e
+
     async def _attempt(self, index: int, request_id: str, prompt_ids: Sequence[int],
-                       decision: RouteDecision, params: pb.SamplingParams,
-                       cache_salt: str) -> AsyncIterator[Delta]:
+                       decision: RouteDecision, params: pb.SamplingParams, cache_salt: str,
+                       can_resume: Optional[Callable[[], bool]] = None) -> AsyncIterator[Delta]:
         refs = [pb.BlockRef(hash=h, node=node) for h, node in decision.cached_blocks]
         predicted = decision.predicted_hit_tokens
         want_prompt_lps = params.HasField("prompt_logprobs")
@@ -182,11 +231,13 @@ class Dispatcher:
             decode = decision.decode
             while True:  # a dead decode worker is replaced: the prefill reply can resume anywhere
                 try:
-                    async with aclosing(self._decode(decode, req, index, None)) as stream:
+                    async with aclosing(self._decode(decode, req, index, None, can_resume)) as stream:
                         async for d in stream:
                             yield d
                     return
                 except _WorkerDown as e:
+                    if e.mid_stream:
+                        raise  # tokens reached the client: _choice resumes from them
                     self.router.mark(e.address, False)
                     others = self.router.healthy("decode")
                     if not others:
@@ -195,40 +246,40 @@ class Dispatcher:
         req = pb.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt_ids),
                                  sampling=params, cache_salt=cache_salt, do_prefill=True,
                                  cached_blocks=refs)
-        async with aclosing(self._decode(decision.decode, req, index, predicted)) as stream:
+        async with aclosing(self._decode(decision.decode, req, index, predicted, can_resume)) as stream:
             async for d in stream:
                 yield d
 
     async def _decode(self, address: str, req: pb.GenerateRequest, index: int,
-                      predicted: Optional[int]) -> AsyncIterator[Delta]:
+                      predicted: Optional[int], can_resume: Optional[Callable[[], bool]] = None
+                      ) -> AsyncIterator[Delta]:
         """Forward one Generate stream. `predicted` set: this call prefills, its first chunk
-        reports the prompt (tokens, cached tokens, prompt logprobs)."""
-        first = True
+        reports the prompt (tokens, cached tokens, prompt logprobs). `can_resume`: whether the
+        choice could go on elsewhere (a hung worker's stream is given up only then)."""
         queued = 0 if predicted is None else max(0, len(req.prompt_token_ids) - predicted)
         self.router.begin(address, queued)
         call = self.clients[address].generate(req, timeout=self.timeout_s)
+        received: list = []  # a marker a chunk: whether a failure is mid-stream
         try:
-            with self._watch(address, call):  # until the first chunk: a stream that answers is not abandoned
-                chunk = await anext(aiter(call), None)
-            chunks = call if chunk is None else _prepend(chunk, call)
-            async for chunk in chunks:
-                if first:
-                    self.router.prefilled(address, queued)
-                    queued = 0
-                d = Delta(index=index, text=chunk.text, token_ids=list(chunk.token_ids),
-                          logprobs=list(chunk.logprobs), finish_reason=chunk.finish_reason or None)
-                if first and predicted is not None:
-                    n = len(req.prompt_token_ids)
-                    d.num_prompt_tokens = chunk.num_prompt_tokens or n
-                    d.num_cached_tokens = chunk.num_cached_tokens
-                    if req.sampling.HasField("prompt_logprobs"):
-                        d.prompt_logprobs = list(chunk.prompt_logprobs)
-                    self.metrics.prompt_done(n, chunk.num_cached_tokens, predicted)
-                first = False
-                yield d
+            with self._watch(address, call, received, can_resume):
+                async for chunk in call:
+                    if not received:
+                        self.router.prefilled(address, queued)
+                        queued = 0
+                    d = Delta(index=index, text=chunk.text, token_ids=list(chunk.token_ids),
+                              logprobs=list(chunk.logprobs), finish_reason=chunk.finish_reason or None)
+                    if not received and predicted is not None:
+                        n = len(req.prompt_token_ids)
+                        d.num_prompt_tokens = chunk.num_prompt_tokens or n
+                        d.num_cached_tokens = chunk.num_cached_tokens
+                        if req.sampling.HasField("prompt_logprobs"):
+                            d.prompt_logprobs = list(chunk.prompt_logprobs)
+                        self.metrics.prompt_done(n, chunk.num_cached_tokens, predicted)
+                    received.append(None)
+                    yield d
         except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE and first:
-                raise _WorkerDown(address, e) from None
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                raise _WorkerDown(address, e, mid_stream=bool(received)) from None
             raise api_error_from_grpc(e, address) from None
         finally:
             call.cancel()  # no-op when finished; aborts the request on the worker otherwise
@@ -252,21 +303,16 @@ class Dispatcher:
 
 
 class _WorkerDown(Exception):
-    def __init__(self, address: str, error: Optional[grpc.aio.AioRpcError]) -> None:
+    def __init__(self, address: str, error: Optional[grpc.aio.AioRpcError], mid_stream: bool = False) -> None:
         super().__init__(address)
         self.address = address
         self.error = error  # None: the health checks found it down while the call waited
+        self.mid_stream = mid_stream  # the stream had sent chunks
 
     def api_error(self) -> ApiError:
         if self.error is not None:
             return api_error_from_grpc(self.error, self.address)
         return ApiError(503, f"worker {self.address} stopped answering health checks", type="service_unavailable")
-
-
-async def _prepend(first, rest) -> AsyncIterator:
-    yield first
-    async for item in rest:
-        yield item
 
 
 async def merge(its: list) -> AsyncIterator:

@@ -44,6 +44,8 @@ class GatewayMetrics:
         self.router_actual_hit_tokens = counter(
             "router_actual_hit_tokens", "Prompt tokens the worker actually served from cache.")
         self.router_prefill_hops = counter("router_prefill_hops", "Requests sent through a prefill worker.")
+        self.resumed_choices = counter("resumed_choices", "Choices that went on on another decode worker after "
+                                       "theirs died or hung mid-stream.")
         self.prefix_index_errors = counter("prefix_index_errors", "Prefix-index lookups routed as misses "
                                            "because the index failed (error), was slow (timeout) or was being "
                                            "left alone after a failure (skipped).", ("model_name", "reason"))
