@@ -6,7 +6,7 @@ health check (gRPC health for the gRPC services, GET /health for the HTTP ones).
 reverse, SIGTERM then SIGKILL after a grace period (kvmesh.supervisor runs the child processes). A
 child that exits on its own stops the rest with a message naming it; with --restart it is started
 again instead (the others ride out its absence: docs/kvstore.md, tests/test_outages.py), unless it
-keeps dying.
+keeps dying, and one that stops answering health checks is killed first.
 
 Without --redis-url the prefix index is one `MemoryIndex` served by a `kvmesh index` child over HTTP
 (see kvmesh.remote_index); every service gets its URL as --redis-url, since `make_index` maps an
@@ -37,6 +37,8 @@ ROLES_IN_START_ORDER = (("index", "kvstore"), ("prefill", "decode"), ("gateway",
 STOP_ORDER = {"gateway": 0, "prefill": 1, "decode": 1, "kvstore": 2, "index": 3}
 RESTARTS_PER_WINDOW = 5  # --restart: more deaths than this in the window is a crash loop; the stack stops
 RESTART_WINDOW_S = 300.0
+LIVENESS_INTERVAL_S = 5.0  # --restart: every service that has answered once is probed this often
+LIVENESS_MISSES = 4  # and killed (then started again) after more probes than this unanswered in a row
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,8 +74,10 @@ class StackConfig:
     otlp_endpoint: Optional[str] = None
     """--otlp-endpoint: OTLP gRPC endpoint every service sends traces to."""
     restart: bool = False
-    """--restart: a service that dies is started again with the same command line (at most
-    `RESTARTS_PER_WINDOW` times in `RESTART_WINDOW_S` each), instead of stopping the stack."""
+    """--restart: a service that dies, or hangs (no answer to a health check for
+    LIVENESS_MISSES x LIVENESS_INTERVAL_S, once it had answered), is started again with the same
+    command line (at most `RESTARTS_PER_WINDOW` times in `RESTART_WINDOW_S` each), instead of
+    stopping the stack."""
     metrics: bool = False
     """--metrics: every kvstore and worker serves Prometheus /metrics too, each on a free port
     (`Stack.metrics_urls`, listed when the stack is up); the gateway always does."""
@@ -169,8 +173,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics", action="store_true",
                    help="kvstores and workers serve Prometheus /metrics too, each on a free port (listed at start)")
     p.add_argument("--restart", action="store_true",
-                   help="a service that dies is started again (the others ride out its absence) instead of "
-                        f"stopping the stack; at most {RESTARTS_PER_WINDOW} times in {RESTART_WINDOW_S:g} s each")
+                   help="a service that dies, or hangs for 20 s, is started again (the others ride out its "
+                        "absence) instead of stopping the stack; at most "
+                        f"{RESTARTS_PER_WINDOW} times in {RESTART_WINDOW_S:g} s each")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     p.add_argument("--startup-timeout", type=float, default=d.startup_timeout_s,
                    help="seconds each service may take to become healthy")
@@ -366,7 +371,17 @@ def run_stack(cfg: StackConfig, out: TextIO = sys.stdout) -> int:
         if cfg.metrics:
             print("  metrics: " + ", ".join(f"{name} {url}" for name, url in stack.metrics_urls.items()),
                   file=out, flush=True)
+        next_probe = time.monotonic() + LIVENESS_INTERVAL_S
         while not stop.wait(0.5):
+            if cfg.restart and time.monotonic() >= next_probe:
+                next_probe = time.monotonic() + LIVENESS_INTERVAL_S
+                hung = stack.supervisor.unresponsive(LIVENESS_MISSES)
+                if hung is not None:
+                    print(f"\nkvmesh up: {hung.name} (pid {hung.pid}) answered no health check for "
+                          f"{LIVENESS_MISSES * LIVENESS_INTERVAL_S:g}+ s; killing it to start it again",
+                          file=out, flush=True)
+                    hung.popen.kill()
+                    hung.popen.wait()
             dead = stack.dead()
             if dead is not None and cfg.restart and stack.restart(dead):
                 continue

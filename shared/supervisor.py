@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Collection, Optional, TextIO
@@ -126,6 +127,24 @@ class ServiceProcess:
         return "\n".join(f"    {line}" for line in self.tail) or "    (no output)"
 
 
+def answers(target: str, timeout_s: float = 2.0) -> bool:
+    """Whether the service at `target` answers its health check at all, whatever it says: alive,
+    if not healthy (a gateway with no decode worker up answers 503, and is alive)."""
+    if target.startswith(("http://", "https://")):
+        url = target if target.rstrip("/").count("/") > 2 else target.rstrip("/") + "/health"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s):
+                return True
+        except urllib.error.HTTPError:
+            return True
+        except Exception:  # refused, timeout
+            return False
+    import grpc
+
+    ok, detail = probe(target, timeout_s)
+    return ok or detail not in (f"gRPC {grpc.StatusCode.UNAVAILABLE.name}", f"gRPC {grpc.StatusCode.DEADLINE_EXCEEDED.name}")
+
+
 class Supervisor:
     """The running children, in spawn order; every line they print goes to their `tail` and `log`."""
 
@@ -134,6 +153,24 @@ class Supervisor:
         self.children: list[ServiceProcess] = []
         self._log_lock = threading.Lock()
         self._child_setup = child_setup()
+        self._answered: set[int] = set()  # pids that have answered a liveness probe
+        self._misses: dict[int, int] = {}  # pid -> liveness probes missed in a row
+
+    def unresponsive(self, misses_allowed: int, timeout_s: float = 2.0) -> Optional[ServiceProcess]:
+        """Probes every running child once (`answers`); the first that has answered before and has
+        now missed more than `misses_allowed` probes in a row (hung: stopped, deadlocked). A child
+        that has not answered yet is starting (loading a model) and is left alone."""
+        for c in self.children:
+            if c.returncode() is not None:
+                continue
+            if answers(c.health, timeout_s):
+                self._answered.add(c.pid)
+                self._misses[c.pid] = 0
+            elif c.pid in self._answered:
+                self._misses[c.pid] = self._misses.get(c.pid, 0) + 1
+                if self._misses[c.pid] > misses_allowed:
+                    return c
+        return None
 
     def emit(self, proc: ServiceProcess, line: str) -> None:
         proc.tail.append(line)

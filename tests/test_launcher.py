@@ -234,7 +234,7 @@ def test_restart_starts_a_dead_service_again_until_it_keeps_dying():
 
 
 @pytest.mark.timeout(STARTUP_S + 400)
-def test_kvmesh_up_restart_brings_back_a_killed_kvstore_and_decode_worker():
+def test_kvmesh_up_restart_brings_back_a_killed_kvstore_and_decode_worker_and_a_hung_kvstore():
     import openai
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
@@ -267,6 +267,12 @@ def test_kvmesh_up_restart_brings_back_a_killed_kvstore_and_decode_worker():
             assert proc.poll() is None
             now = {c: _cmdline(c) for c in _children(proc.pid)}
             assert victim not in now and len(now) == len(before)
+        # hung (SIGSTOP: it answers nothing and never exits): killed after 20 s of silence, started again
+        victim = next(c for c in _children(proc.pid) if " kvstore " in _cmdline(c))
+        os.kill(victim, signal.SIGSTOP)
+        out.wait_for(r"kvstore-0 \(pid \d+\) answered no health check for 20\+ s; killing it", 60)
+        out.wait_for(r"\[kvstore-0\] exited with code -9; starting it again \(2 of 5", 30)
+        assert ask() == reference
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
     finally:
@@ -278,3 +284,32 @@ def test_kvmesh_up_restart_brings_back_a_killed_kvstore_and_decode_worker():
 def _cmdline(pid: int) -> str:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         return " " + f.read().replace(b"\0", b" ").decode() + " "
+
+
+def test_liveness_counts_any_answer_and_not_silence():
+    import http.server
+    import socket
+
+    from kvmesh.supervisor import answers
+
+    class Unhealthy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(503)  # a gateway without a decode worker: alive all the same
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Unhealthy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)  # accepts connections, answers nothing (a stopped process)
+    try:
+        assert answers(f"http://127.0.0.1:{server.server_port}", 2.0)
+        assert not answers(f"http://127.0.0.1:{silent.getsockname()[1]}", 0.5)
+        assert not answers(f"127.0.0.1:{silent.getsockname()[1]}", 0.5)
+        assert not answers("http://127.0.0.1:9", 0.5)  # nothing listens: refused
+    finally:
+        server.shutdown()
+        silent.close()
