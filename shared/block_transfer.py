@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from kvmesh.engine.outputs import ExportedBlock
 from kvmesh.kv.layout import BlockLayout
 from kvmesh.kvstore.block import StoredBlock
+from kvmesh.outage import Outage
 from kvmesh.telemetry import PREFIX, TRANSFER_BUCKETS
 
 log = logging.getLogger(__name__)
@@ -113,22 +114,21 @@ class BlockTransfer:
         self.holder = holder
         self.lease_seconds = lease_seconds
         self.metrics = metrics
-        self._unreachable = False  # every node down: logged once, until a call goes through again
+        self._unreachable = Outage()  # every node down: logged once, until a call goes through again
 
     def _failed(self, what: str, e: Exception) -> None:
         """A kvstore call failed. With every node down (the client raises a ConnectionError without
         calling) that is once an outage, not once a request; `worker_transfer_errors_total` counts each."""
         if not isinstance(e, ConnectionError):
             log.warning("kvstore %s: %s", what, e)
-        elif not self._unreachable:
-            self._unreachable = True
+        elif self._unreachable.failed():
             log.warning("kvstore %s: %s; recomputing what it would serve until a node answers (logged once)",
                         what, e)
 
     def _answered(self) -> None:
-        if self._unreachable:
-            self._unreachable = False
-            log.warning("a kvstore node answers again")
+        lasted = self._unreachable.answered()
+        if lasted is not None:
+            log.warning("a kvstore node answers again after %.1f s", lasted)
 
     async def pull(self, engine: Any, hashes: Sequence[bytes], cache_salt: str = "",
                    local: Collection[bytes] = ()) -> PullResult:

@@ -24,7 +24,9 @@ import asyncio
 import logging
 import math
 import time
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable
+
+from kvmesh.outage import Outage
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +36,10 @@ CHUNK_HASHES = 8192  # per index call: a big store's refresh is many short Redis
 
 
 class IndexFeed:
-    def __init__(self, index: Any, holder: str, held: Callable[[], Iterable[bytes]], name: str,
+    def __init__(self, index: Any, holder: str, held: Callable[[], Iterable[bytes]], name: str, interval: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """`held()`: every hash the holder holds now (what a refresh republishes); `name` is the
-        holder's role in log lines."""
+        holder's role in log lines; `interval` the seconds between its ticks."""
         self.index = index  # kvmesh.index.PrefixIndex
         self.holder = holder
         self._held = held
@@ -48,14 +50,12 @@ class IndexFeed:
         self._refresh_at = clock() + self.refresh_s
         self._changes: dict[bytes, bool] = {}  # hash -> held, not yet in the index
         self._sync = True  # the next flush withdraws what this name published, then sends all held
-        self._down_since: Optional[float] = None  # tick: the first failure of the current outage
-        self._failures = 0
-        self._retry_at = -math.inf
+        self._outage = Outage(2 * interval, MAX_BACKOFF_S, clock)  # tick's failures in a row
         self._lock = asyncio.Lock()  # an explicit flush waits for a batch already in flight
 
     @property
     def index_down(self) -> bool:
-        return self._down_since is not None
+        return self._outage.down
 
     def note(self, block_hash: bytes, held: bool) -> None:
         self._changes.pop(block_hash, None)  # re-inserted: the dict keeps the order of last changes
@@ -91,25 +91,20 @@ class IndexFeed:
                 self._refresh_at = self._clock() + self.refresh_s
             return len(stored) + len(removed)
 
-    async def tick(self, interval: float) -> None:
-        """One flush every `interval` while the index answers, fewer (backoff up to MAX_BACKOFF_S)
-        while it does not; never raises an Exception."""
-        now = self._clock()
-        if now < self._retry_at:
+    async def tick(self) -> None:
+        """One flush a tick while the index answers, fewer (backoff up to MAX_BACKOFF_S) while it
+        does not; never raises an Exception."""
+        if self._outage.waiting():
             return
         try:
             sent = await self.flush()
         except Exception as e:
-            self._failures += 1
-            self._retry_at = now + min(MAX_BACKOFF_S, interval * 2 ** self._failures)
-            if self._down_since is None:
-                self._down_since = now
+            if self._outage.failed():
                 log.warning("%s: the prefix index does not answer (%s: %s); serving on without it and "
                             "retrying with backoff; what this holder holds is republished when it answers",
                             self._name, type(e).__name__, e)
             return
-        self._failures, self._retry_at = 0, -math.inf
-        if self._down_since is not None:  # a flush after a failure is a sync: it reached the index
+        lasted = self._outage.answered()
+        if lasted is not None:  # a flush after a failure is a sync: it reached the index
             log.warning("%s: the prefix index answers again after %.1f s; republished %d blocks",
-                        self._name, self._clock() - self._down_since, sent)
-            self._down_since = None
+                        self._name, lasted, sent)

@@ -48,7 +48,7 @@ class WorkerRuntime:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._held: set[bytes] = set()
-        self.feed = IndexFeed(index, self.holder, lambda: self._held, role)
+        self.feed = IndexFeed(index, self.holder, lambda: self._held, role, cfg.publish_interval)
         self._drain_lock = asyncio.Lock()
         self._publisher: Optional[asyncio.Task] = None
         self._feed_tick: Optional[asyncio.Task] = None  # the index call in flight, off the publish loop
@@ -190,7 +190,7 @@ class WorkerRuntime:
                 await self._drain()
                 if self._feed_tick is None or self._feed_tick.done():  # a hung index holds its own task,
                     # not this loop: the Load stats below stay fresh (the feed logs an outage itself)
-                    self._feed_tick = asyncio.create_task(self.feed.tick(self.cfg.publish_interval))
+                    self._feed_tick = asyncio.create_task(self.feed.tick())
                 self._stats = await self.engine.call("stats")
                 self.metrics.update_from_engine_stats(self._stats)
             except asyncio.CancelledError:

@@ -48,7 +48,7 @@ async def test_an_outage_is_logged_once_backed_off_and_repaired_by_a_full_republ
     caplog.set_level(logging.WARNING, logger="kvmesh.index_feed")
     index, clock = CountingRedisIndex(redis_server.url), Clock()
     held: set[bytes] = set()
-    feed = IndexFeed(index, "w:1", lambda: held, "decode", clock=clock)
+    feed = IndexFeed(index, "w:1", lambda: held, "decode", INTERVAL, clock=clock)
 
     def hold(h: bytes, yes: bool = True) -> None:
         (held.add if yes else held.discard)(h)
@@ -57,7 +57,7 @@ async def test_an_outage_is_logged_once_backed_off_and_repaired_by_a_full_republ
     before = [os.urandom(32) for _ in range(3)]
     for h in before:
         hold(h)
-    await feed.tick(INTERVAL)
+    await feed.tick()
     assert await index.lookup(before) == [frozenset({"w:1"})] * 3
 
     redis_server.crash()
@@ -68,21 +68,21 @@ async def test_an_outage_is_logged_once_backed_off_and_repaired_by_a_full_republ
     calls = index.calls
     for _ in range(200):  # 10 s of ticks
         clock.now += INTERVAL
-        await feed.tick(INTERVAL)
+        await feed.tick()
     assert feed.index_down
     assert 3 <= index.calls - calls <= 10, index.calls - calls  # backoff up to MAX_BACKOFF_S, not 200 tries
     assert len(caplog.records) == 1, caplog.text  # one line for the outage
 
     redis_server.start(port=redis_server.port)  # back, empty
     clock.now += MAX_BACKOFF_S
-    await feed.tick(INTERVAL)
+    await feed.tick()
     assert not feed.index_down
     assert await index.lookup(before[1:] + during) == [frozenset({"w:1"})] * 4  # held before the outage too
     assert await index.lookup(before[:1]) == [frozenset()]
     assert len(caplog.records) == 2 and "answers again" in caplog.records[1].getMessage()
     calls = index.calls
     clock.now += INTERVAL
-    await feed.tick(INTERVAL)
+    await feed.tick()
     assert index.calls == calls  # back to changes only: none
     await index.close()
 
@@ -90,20 +90,20 @@ async def test_an_outage_is_logged_once_backed_off_and_repaired_by_a_full_republ
 async def test_held_blocks_are_republished_before_their_ttl_runs_out(redis_server):
     index, clock = RedisIndex(redis_server.url, ttl_seconds=30), Clock()
     held = {os.urandom(32) for _ in range(2)}
-    feed = IndexFeed(index, "kv:1", lambda: held, "kvstore", clock=clock)
+    feed = IndexFeed(index, "kv:1", lambda: held, "kvstore", INTERVAL, clock=clock)
     assert feed.refresh_s == 10
     for h in held:
         feed.note(h, True)
-    await feed.tick(INTERVAL)
+    await feed.tick()
     r = aredis.Redis.from_url(redis_server.url)
     keys = [index.block_key(h) for h in held] + [index.holder_key("kv:1")]
     for k in keys:  # as if 28 s had passed in Redis
         await r.expire(k, 2)
     clock.now += 9.9
-    await feed.tick(INTERVAL)  # not due yet: nothing sent
+    await feed.tick()  # not due yet: nothing sent
     assert [await r.ttl(k) for k in keys] == [2, 2, 2]
     clock.now += 0.2
-    await feed.tick(INTERVAL)
+    await feed.tick()
     ttls = [await r.ttl(k) for k in keys]
     assert min(ttls) > 20, ttls
     await r.aclose()
@@ -127,7 +127,7 @@ class RecordingIndex(MemoryIndex):
 async def test_a_big_held_set_is_republished_in_chunks():
     index = RecordingIndex()
     held = [os.urandom(32) for _ in range(2 * CHUNK_HASHES + 5)]
-    feed = IndexFeed(index, "kv:1", lambda: held, "kvstore")
+    feed = IndexFeed(index, "kv:1", lambda: held, "kvstore", INTERVAL)
     index.down = True
     feed.note(held[0], True)
     with pytest.raises(ConnectionError):
@@ -142,10 +142,10 @@ async def test_a_big_held_set_is_republished_in_chunks():
 async def test_a_holder_restarted_under_its_name_withdraws_what_the_killed_one_left(redis_server):
     index = RedisIndex(redis_server.url)
     left = [os.urandom(32) for _ in range(2)]
-    killed = IndexFeed(index, "kv:1", lambda: left, "kvstore")
-    await killed.tick(INTERVAL)  # and then SIGKILL: no goodbye, its entries stay
+    killed = IndexFeed(index, "kv:1", lambda: left, "kvstore", INTERVAL)
+    await killed.tick()  # and then SIGKILL: no goodbye, its entries stay
     held = [os.urandom(32)]
-    restarted = IndexFeed(index, "kv:1", lambda: held, "kvstore")
-    await restarted.tick(INTERVAL)
+    restarted = IndexFeed(index, "kv:1", lambda: held, "kvstore", INTERVAL)
+    await restarted.tick()
     assert await index.lookup(left + held) == [frozenset(), frozenset(), frozenset({"kv:1"})]
     await index.close()

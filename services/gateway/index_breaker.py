@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable
+
+from kvmesh.outage import Outage
 
 log = logging.getLogger("kvmesh.gateway")
 
@@ -29,40 +30,31 @@ class IndexBreaker:
         self.index = index  # kvmesh.index.PrefixIndex
         self.timeout_s = timeout_s
         self._on_error = on_error  # reason: error | timeout | skipped
-        self._clock = clock
-        self._failures = 0
-        self._closed_at = -math.inf  # lookups are skipped until then
-        self._down_since: Optional[float] = None
+        self._outage = Outage(FIRST_BACKOFF_S, MAX_BACKOFF_S, clock)  # lookups are skipped while it waits
 
     @property
     def open(self) -> bool:
-        return self._clock() < self._closed_at
+        return self._outage.waiting()
 
     async def lookup(self, hashes: list[bytes]) -> list[frozenset[str]]:
         """Holders of each block; all empty (a miss) where the index fails, is slow or is skipped."""
         miss = [frozenset()] * len(hashes)
-        now = self._clock()
-        if now < self._closed_at:
+        if self._outage.waiting():
             self._on_error("skipped")
             return miss
         try:
             holders = await asyncio.wait_for(self.index.lookup(hashes), self.timeout_s)
         except Exception as e:  # TimeoutError included
-            self._trip(now, "timeout" if isinstance(e, TimeoutError) else "error", e)
+            self._trip("timeout" if isinstance(e, TimeoutError) else "error", e)
             return miss
-        if self._down_since is not None:
-            log.warning("the prefix index answers again after %.1f s; routing by it", self._clock() - self._down_since)
-            self._down_since = None
-        self._failures = 0
+        lasted = self._outage.answered()
+        if lasted is not None:
+            log.warning("the prefix index answers again after %.1f s; routing by it", lasted)
         return holders
 
-    def _trip(self, now: float, reason: str, e: Exception) -> None:
+    def _trip(self, reason: str, e: Exception) -> None:
         self._on_error(reason)
-        self._failures += 1
-        backoff = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (self._failures - 1))
-        self._closed_at = max(self._closed_at, now + backoff)
-        if self._down_since is None:
-            self._down_since = now
+        if self._outage.failed():
             what = f"no answer within {self.timeout_s:g} s (--index-timeout)" if reason == "timeout" else \
                 f"{type(e).__name__}: {e}"
             log.warning("prefix index lookup failed (%s); routing every request as a miss, trying again "

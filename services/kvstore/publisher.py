@@ -29,7 +29,7 @@ class IndexPublisher:
         self.index = index
         self.holder = holder
         self.interval = interval
-        self.feed = IndexFeed(index, holder, store.held_hashes, "kvstore")
+        self.feed = IndexFeed(index, holder, store.held_hashes, "kvstore", interval)
         self._task: asyncio.Task | None = None
         self._stopping = False  # the loop's exit condition; cancel() alone may be swallowed (see above)
 
@@ -40,7 +40,7 @@ class IndexPublisher:
         while not self._stopping:
             await asyncio.sleep(self.interval)
             self._note_events()
-            await self.feed.tick(self.interval)  # the index is advisory: it logs an outage and retries
+            await self.feed.tick()  # the index is advisory: it logs an outage and retries
 
     def _note_events(self) -> None:
         stored, removed = self.store.drain_events()
