@@ -16,13 +16,14 @@ import time
 import uuid
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import AsyncIterator, Callable, Optional, Sequence
 
 import grpc
 
 from kvmesh.gateway.metrics import GatewayMetrics
 from kvmesh.gateway.openai_api import ApiError, Sampling
-from kvmesh.gateway.resumption import resumable, resumed_sampling
+from kvmesh.gateway.resumption import Sent, resumable, resumed_sampling
 from kvmesh.gateway.router import NoWorkerError, RouteDecision, Router
 from kvmesh.gateway.worker_client import WorkerClients
 from kvmesh.wire import kvmesh_pb2 as pb
@@ -76,17 +77,17 @@ def sampling_pb(s: Sampling, *, seed: Optional[int], max_tokens: int) -> pb.Samp
 
 
 class _Waiting:
-    """A call to a worker in flight: `progress` its chunks so far, `can_resume` whether its choice
-    could go on elsewhere from what it sent (a stream that sent tokens is only given up then)."""
+    """A call to a worker in flight: `streamed` once a chunk of it came, `can_resume` whether its
+    choice could go on elsewhere from what it sent (a stream that sent tokens is only given up then)."""
 
-    def __init__(self, call, progress: Optional[list], can_resume: Optional[Callable[[], bool]]) -> None:
+    def __init__(self, call, can_resume: Optional[Callable[[], bool]]) -> None:
         self.call = call
-        self.progress = progress
         self.can_resume = can_resume
+        self.streamed = False
         self.abandoned = False
 
     def worth_abandoning(self) -> bool:
-        return not self.progress or (self.can_resume is not None and self.can_resume())
+        return not self.streamed or (self.can_resume is not None and self.can_resume())
 
 
 def _cancelled_by_us() -> bool:
@@ -117,17 +118,16 @@ class Dispatcher:
         return len(given_up)
 
     @contextmanager
-    def _watch(self, address: str, call, progress: Optional[list] = None,
-               can_resume: Optional[Callable[[], bool]] = None):
+    def _watch(self, address: str, call, can_resume: Optional[Callable[[], bool]] = None):
         """While inside, `call` is cancelled if `address` goes down (_Waiting.worth_abandoning);
-        _WorkerDown is raised then (mid-stream where `progress`, the chunks so far, is not empty)."""
-        w = _Waiting(call, progress, can_resume)
+        _WorkerDown is raised then (mid-stream where the caller set `streamed`)."""
+        w = _Waiting(call, can_resume)
         self._waiting.setdefault(address, set()).add(w)
         try:
             yield w
         except asyncio.CancelledError:
             if w.abandoned and not _cancelled_by_us():
-                raise _WorkerDown(address, None, mid_stream=bool(progress)) from None
+                raise _WorkerDown(address, None, mid_stream=w.streamed) from None
             raise
         finally:
             self._waiting.get(address, set()).discard(w)
@@ -154,21 +154,19 @@ class Dispatcher:
             except NoWorkerError as e:
                 raise ApiError(503, str(e), type="service_unavailable") from None
             self.metrics.decision(decision.reason, decision.predicted_hit_tokens)
-            sent_ids: list[int] = []
-            sent_text: list[str] = []
-            can_resume = lambda: resumable(params, sent_ids, "".join(sent_text), self.detokenize)  # noqa: E731
+            sent = Sent()
+            can_resume = partial(resumable, params, sent, self.detokenize)
             try:
                 async with aclosing(self._attempt(index, request_id, prompt_ids, decision, params,
                                                   cache_salt, can_resume)) as attempt:
                     async for d in attempt:
-                        sent_ids.extend(d.token_ids)
-                        sent_text.append(d.text)
+                        sent.add(d.token_ids, d.text)
                         yield d
                 return
             except _WorkerDown as e:
-                if sent_ids:  # tokens reached the client: go on elsewhere from there, if exact
+                if sent.ids:  # tokens reached the client: go on elsewhere from there, if exact
                     async with aclosing(self._resume(index, request_id, prompt_ids, params, cache_salt,
-                                                     sent_ids, "".join(sent_text), e)) as rest:
+                                                     sent, e)) as rest:
                         async for d in rest:
                             yield d
                     return
@@ -179,27 +177,25 @@ class Dispatcher:
                 self.router.mark(e.address, False)
 
     async def _resume(self, index: int, request_id: str, prompt_ids: Sequence[int], params: pb.SamplingParams,
-                      cache_salt: str, sent_ids: list[int], sent_text: str, failed: "_WorkerDown"
-                      ) -> AsyncIterator[Delta]:
+                      cache_salt: str, sent: Sent, failed: "_WorkerDown") -> AsyncIterator[Delta]:
         """The rest of a choice on another decode worker, after `failed` (resumption.py)."""
         tried = {failed.address}
+        can_resume = partial(resumable, params, sent, self.detokenize)
         while True:
             self.router.mark(failed.address, False)
             others = [a for a in self.router.healthy("decode") if a not in tried]
-            if not others or not resumable(params, sent_ids, sent_text, self.detokenize):
+            if not others or not can_resume():
                 raise failed.api_error()
             address = self.router.choose({a: float(self.router.workers[a].load) for a in others})
             tried.add(address)
             self.metrics.lab(self.metrics.resumed_choices).inc()
-            req = pb.GenerateRequest(request_id=f"{request_id}+{len(sent_ids)}",
-                                     prompt_token_ids=list(prompt_ids) + sent_ids, cache_salt=cache_salt,
-                                     sampling=resumed_sampling(params, len(sent_ids)), do_prefill=True)
+            req = pb.GenerateRequest(request_id=f"{request_id}+{len(sent.ids)}",
+                                     prompt_token_ids=list(prompt_ids) + sent.ids, cache_salt=cache_salt,
+                                     sampling=resumed_sampling(params, len(sent.ids)), do_prefill=True)
             try:
-                can_resume = lambda: resumable(params, sent_ids, sent_text, self.detokenize)  # noqa: E731
                 async with aclosing(self._decode(address, req, index, None, can_resume)) as stream:
                     async for d in stream:
-                        sent_ids.extend(d.token_ids)
-                        sent_text += d.text
+                        sent.add(d.token_ids, d.text)
                         yield d
                 return
             except _WorkerDown as e:
@@ -259,31 +255,30 @@ class Dispatcher:
         queued = 0 if predicted is None else max(0, len(req.prompt_token_ids) - predicted)
         self.router.begin(address, queued)
         call = self.clients[address].generate(req, timeout=self.timeout_s)
-        received: list = []  # a marker a chunk: whether a failure is mid-stream
-        try:
-            with self._watch(address, call, received, can_resume):
+        with self._watch(address, call, can_resume) as w:
+            try:
                 async for chunk in call:
-                    if not received:
+                    if not w.streamed:
                         self.router.prefilled(address, queued)
                         queued = 0
                     d = Delta(index=index, text=chunk.text, token_ids=list(chunk.token_ids),
                               logprobs=list(chunk.logprobs), finish_reason=chunk.finish_reason or None)
-                    if not received and predicted is not None:
+                    if not w.streamed and predicted is not None:
                         n = len(req.prompt_token_ids)
                         d.num_prompt_tokens = chunk.num_prompt_tokens or n
                         d.num_cached_tokens = chunk.num_cached_tokens
                         if req.sampling.HasField("prompt_logprobs"):
                             d.prompt_logprobs = list(chunk.prompt_logprobs)
                         self.metrics.prompt_done(n, chunk.num_cached_tokens, predicted)
-                    received.append(None)
+                    w.streamed = True
                     yield d
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                raise _WorkerDown(address, e, mid_stream=bool(received)) from None
-            raise api_error_from_grpc(e, address) from None
-        finally:
-            call.cancel()  # no-op when finished; aborts the request on the worker otherwise
-            self.router.end(address, queued)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    raise _WorkerDown(address, e, mid_stream=w.streamed) from None
+                raise api_error_from_grpc(e, address) from None
+            finally:
+                call.cancel()  # no-op when finished; aborts the request on the worker otherwise
+                self.router.end(address, queued)
 
     async def _prefill(self, address: str, req: pb.PrefillRequest, queued: int) -> pb.PrefillReply:
         self.router.begin(address, queued)

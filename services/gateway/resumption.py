@@ -15,17 +15,29 @@ same seed: a valid sample, not the one an uninterrupted run would have drawn.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 from kvmesh.wire import kvmesh_pb2 as pb
 
 
-def resumable(params: pb.SamplingParams, sent_ids: Sequence[int], sent_text: str,
-              detokenize: Optional[Callable[[list[int]], str]]) -> bool:
-    """Whether a choice that has sent `sent_ids` / `sent_text` can go on on another worker."""
-    return (detokenize is not None and bool(sent_ids) and len(sent_ids) < params.max_tokens
+@dataclass
+class Sent:
+    """What a choice has sent the client so far."""
+
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+
+    def add(self, token_ids: list[int], text: str) -> None:
+        self.ids.extend(token_ids)
+        self.text += text
+
+
+def resumable(params: pb.SamplingParams, sent: Sent, detokenize: Optional[Callable[[list[int]], str]]) -> bool:
+    """Whether a choice that has sent `sent` can go on on another worker."""
+    return (detokenize is not None and bool(sent.ids) and len(sent.ids) < params.max_tokens
             and not params.stop and params.presence_penalty == 0 and params.frequency_penalty == 0
-            and detokenize(list(sent_ids)) == sent_text)
+            and detokenize(list(sent.ids)) == sent.text)
 
 
 def resumed_sampling(params: pb.SamplingParams, sent: int) -> pb.SamplingParams:
