@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from chaos import CHAOS_LONG, run_chaos  # noqa: E402
-from outage_stack import Services, answer, outage_stack, until  # noqa: E402
+from outage_stack import Services, answer, outage_stack, timed_answers, until  # noqa: E402
 from soak import QuietProbes, SoakConfig, check_quiet, table  # noqa: E402
 
 
@@ -37,26 +37,15 @@ class Run:
         self.s, self.reference, self.n = services, reference, n
         self.rows: list[str] = []
 
-    async def timed(self, label: str) -> list[float]:
-        took, same = [], 0
-        for i in range(self.n):
-            t0 = time.monotonic()
-            text, _ = await answer(self.s.url, f"{label}-{i}-{time.monotonic()}")
-            took.append(time.monotonic() - t0)
-            same += text == self.reference
-        self.last = (took, same)
-        return took
+    async def timed(self, label: str) -> None:
+        answers = await timed_answers(self.s.url, label, self.n)
+        self.last = ([t for _, t in answers], sum(text == self.reference for text, _ in answers))
 
     def row(self, scenario: str, back_s: float | None) -> None:
         took, same = self.last
         s = sorted(took)
         self.rows.append(f"| {scenario} | {len(took)} | {s[len(s) // 2]:.2f} | {took[0]:.2f} | {max(took):.2f} | "
                          f"{same}/{len(took)} | " + ("-" if back_s is None else f"{back_s:.1f}") + " |")
-
-    async def pushes_again(self) -> bool:
-        before = await self.s.sample("prefill-0", "kvmesh:worker_blocks_total", op="pushed")
-        await answer(self.s.url, f"probe-{time.monotonic()}")
-        return await self.s.sample("prefill-0", "kvmesh:worker_blocks_total", op="pushed") > before
 
 
 async def holders_in_redis(url: str) -> set[bytes]:
@@ -92,7 +81,7 @@ async def main_async(n: int, chaos_seconds: float, clients: int) -> int:
         await run.timed("kvstore-killed")
         t0 = time.monotonic()
         s.restart_kvstore()
-        await until("pushes land in the restarted kvstore", run.pushes_again)
+        await until("pushes land in the restarted kvstore", s.pushes_again)
         run.row("kvstore killed, restarted", time.monotonic() - t0)
 
         s.freeze_kvstore()
@@ -101,7 +90,7 @@ async def main_async(n: int, chaos_seconds: float, clients: int) -> int:
         finally:
             s.thaw_kvstore()
         t0 = time.monotonic()
-        await until("pushes land in the thawed kvstore", run.pushes_again)
+        await until("pushes land in the thawed kvstore", s.pushes_again)
         run.row("kvstore frozen, thawed", time.monotonic() - t0)
 
         before = await until("holders in Redis", lambda: holders_in_redis(s.redis.url))
@@ -140,7 +129,7 @@ async def main_async(n: int, chaos_seconds: float, clients: int) -> int:
         finally:
             s.thaw("prefill")
         t0 = time.monotonic()
-        await until("the prefill worker takes prompts again", run.pushes_again)
+        await until("the prefill worker takes prompts again", s.pushes_again)
         run.row("prefill worker frozen, thawed", time.monotonic() - t0)
 
         print("| scenario | requests | p50 s | first s | max s | same greedy answer | back in s |")

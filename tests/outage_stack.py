@@ -64,6 +64,12 @@ class Services:
                     return sample.value
         return 0.0
 
+    async def pushes_again(self) -> bool:
+        """Whether a fresh prompt's blocks now reach the kvstore (the prefill worker's pushes grow)."""
+        before = await self.sample("prefill-0", "kvmesh:worker_blocks_total", op="pushed")
+        await answer(self.url, f"probe-{time.monotonic()}")
+        return await self.sample("prefill-0", "kvmesh:worker_blocks_total", op="pushed") > before
+
     def freeze_kvstore(self) -> None:
         self.freeze("kvstore")
 
@@ -125,6 +131,16 @@ async def answer(url: str, salt: str) -> tuple[str, int]:
         r = await oa.chat.completions.create(model="smollm2", messages=PROMPT, max_tokens=12, temperature=0,
                                              extra_body={"cache_salt": salt})
     return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
+
+
+async def timed_answers(url: str, tag: str, n: int) -> list[tuple[str, float]]:
+    """`n` greedy answers one after another, each under a fresh cache salt, with their seconds."""
+    out = []
+    for i in range(n):
+        t0 = time.monotonic()
+        text, _ = await answer(url, f"{tag}-{i}-{t0}")
+        out.append((text, time.monotonic() - t0))
+    return out
 
 
 async def until(what: str, check, timeout_s: float = RECOVERY_S):

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from chaos import CHAOS_SHORT, run_chaos
-from outage_stack import STARTUP_S, Services, answer, outage_stack, until
+from outage_stack import STARTUP_S, Services, answer, outage_stack, timed_answers, until
 from soak import QuietProbes, SoakConfig, check_quiet, table
 
 
@@ -105,13 +105,10 @@ async def test_a_frozen_redis_costs_a_request_at_most_the_index_timeout(services
                                      reason="timeout")
     services.redis.freeze()
     try:
-        for i in range(3):
-            t0 = time.monotonic()
-            text, _ = await answer(services.url, f"frozen-{i}")
-            took = time.monotonic() - t0
-            assert text == reference
-            # --index-timeout is 1 s; without it each lookup waited for redis-py's 5 s socket timeout
-            assert took < healthy + 2.5, (took, healthy)
+        answers = await timed_answers(services.url, "redis-frozen", 3)
+        assert [text for text, _ in answers] == [reference] * 3
+        # --index-timeout is 1 s; without it each lookup waited for redis-py's 5 s socket timeout
+        assert max(took for _, took in answers) < healthy + 2.5, (answers, healthy)
         assert await services.sample("gateway", "kvmesh:prefix_index_errors_total", model_name="smollm2",
                                      reason="timeout") > timeouts
         assert not services.others_alive(), services.others_alive()
@@ -131,26 +128,17 @@ async def test_a_frozen_kvstore_costs_the_requests_in_flight_a_bounded_wait_and_
         services: Services):
     reference, healthy = await _reference_and_healthy_time(services, "before-store-freeze")
     services.freeze_kvstore()
-    took = []
     try:
-        for i in range(3):
-            t0 = time.monotonic()
-            text, _ = await answer(services.url, f"store-frozen-{i}")
-            took.append(time.monotonic() - t0)
-            assert text == reference
+        answers = await timed_answers(services.url, "store-frozen", 3)
+        assert [text for text, _ in answers] == [reference] * 3
         assert not services.others_alive(), services.others_alive()
     finally:
         services.thaw_kvstore()
+    took = [t for _, t in answers]
     # the first waits for its put's deadline (5 s and its bytes), then the node is skipped until it
     # answers a health check: before, every request waited for a 30 s put and a 30 s get (61 s)
     assert took[0] < healthy + 8 and max(took[1:]) < healthy + 2.5, (took, healthy)
-    pushed = await services.sample("prefill-0", "kvmesh:worker_blocks_total", op="pushed")
-
-    async def store_used_again():
-        await answer(services.url, f"store-thawed-{time.monotonic()}")
-        return await services.sample("prefill-0", "kvmesh:worker_blocks_total", op="pushed") > pushed
-
-    await until("the prefill worker pushes to the kvstore again", store_used_again)
+    await until("the prefill worker pushes to the kvstore again", services.pushes_again)
     assert not services.errors(), "\n".join(services.errors())
 
 
@@ -161,14 +149,12 @@ async def test_a_frozen_worker_costs_the_request_in_flight_the_health_checks_the
 
     reference, healthy = await _reference_and_healthy_time(services, "before-worker-freeze")
     services.freeze("prefill")
-    try:
-        took = []
-        for i in range(2):  # the decode worker prefills itself once the prefill worker is down
-            t0 = time.monotonic()
-            assert (await answer(services.url, f"prefill-frozen-{i}"))[0] == reference
-            took.append(time.monotonic() - t0)
+    try:  # the decode worker prefills itself once the prefill worker is down
+        answers = await timed_answers(services.url, "prefill-frozen", 2)
+        assert [text for text, _ in answers] == [reference] * 2
     finally:
         services.thaw("prefill")
+    took = [t for _, t in answers]
     # 3 health checks 2 s apart find it down; before, the call waited for gRPC's keepalive (80 s)
     assert took[0] < healthy + 12 and took[1] < healthy + 2.5, (took, healthy)
 
