@@ -6,6 +6,8 @@ SmolLM2 in every engine. The test plays the gateway (hashes, index lookup, prefi
   worker wrote;
 - cancelling a Generate stream frees the request's blocks at once;
 - a short prompt with do_prefill works without a prefill hop.
+
+The stack: tests/disagg_stack.py.
 """
 from __future__ import annotations
 
@@ -13,147 +15,20 @@ import asyncio
 import dataclasses
 import random
 import time
-from dataclasses import dataclass
 
 import aiohttp
 import grpc
 import pytest
-import pytest_asyncio
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from kvmesh.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvmesh.decode.config import DecodeConfig
-from kvmesh.decode.server import DecodeWorker
-from kvmesh.engine.async_engine import AsyncEngine
-from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.llm import LLM
 from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.hashing import block_hashes
-from kvmesh.index import MemoryIndex
-from kvmesh.kvstore.client import GrpcKVStoreClient
-from kvmesh.kvstore.config import KVStoreConfig
-from kvmesh.kvstore.server import KVStoreServer
-from kvmesh.prefill.config import PrefillConfig
-from kvmesh.prefill.server import PrefillWorker
 from kvmesh.wire import convert
 from kvmesh.wire import kvmesh_pb2 as pb
-from kvmesh.wire import kvmesh_pb2_grpc as pb_grpc
+
+from disagg_stack import BS, MAX_MODEL_LEN, Stack, disaggregated, greedy, random_prompt, stack  # noqa: F401
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-
-BS = 16
-KV_MEMORY = 32 << 20  # per engine: ~45 fp32 pages of SmolLM2 (30 layers x 3 heads x 64)
-MAX_MODEL_LEN = 256
-
-
-def _engine_config(kv_dtype: str) -> EngineConfig:
-    return EngineConfig(model="smollm2", device="cpu",
-                        cache=CacheConfig(block_size=BS, kv_cache_dtype=kv_dtype, kv_cache_memory=KV_MEMORY),
-                        scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=MAX_MODEL_LEN))
-
-
-@dataclass
-class Stack:
-    """One kvstore node, one prefill worker, decode workers (the second started on first use), the
-    single-process reference, one shared in-memory index. Every engine loads SmolLM2 (~7 s each)."""
-
-    kv_dtype: str
-    index: MemoryIndex
-    kvstore: KVStoreServer
-    reference: LLM
-    spans: InMemorySpanExporter
-    workers: list = dataclasses.field(default_factory=list)  # prefill, decode 0, decode 1
-    channels: list = dataclasses.field(default_factory=list)
-    clients: list = dataclasses.field(default_factory=list)
-
-    async def add_worker(self, cls, cfg_cls, **extra):
-        common = dict(engine=_engine_config(self.kv_dtype), kvstore=(self.kvstore.address,), port=0,
-                      publish_interval=0.01)
-        cfg = cfg_cls(**common, **extra)
-        engine = AsyncEngine(await asyncio.to_thread(LLMEngine, cfg.engine))
-        client = GrpcKVStoreClient([self.kvstore.address], shared_memory_bytes=cfg.kvstore_shared_memory_mib << 20,
-                                   block_bytes=engine.info.layout.block_bytes)  # as serve_worker builds it
-        self.clients.append(client)
-        provider = TracerProvider()
-        provider.add_span_processor(SimpleSpanProcessor(self.spans))
-        w = cls(cfg, engine, client, self.index, tracer=provider.get_tracer("test"))
-        await w.start()
-        self.workers.append(w)
-        self.channels.append(grpc.aio.insecure_channel(w.address))
-
-    @property
-    def prefill(self) -> PrefillWorker:
-        return self.workers[0]
-
-    async def decode(self, i: int) -> DecodeWorker:
-        while len(self.workers) < 2 + i:
-            await self.add_worker(DecodeWorker, DecodeConfig, metrics_port=0)
-        return self.workers[1 + i]
-
-    def prefill_stub(self) -> pb_grpc.PrefillStub:
-        return pb_grpc.PrefillStub(self.channels[0])
-
-    async def decode_stub(self, i: int) -> pb_grpc.DecodeStub:
-        await self.decode(i)
-        return pb_grpc.DecodeStub(self.channels[1 + i])
-
-    def hashes(self, prompt: list[int]) -> list[bytes]:
-        return block_hashes(prompt, self.reference.llm_engine.hash_context())
-
-    async def close(self) -> None:
-        for ch in self.channels:
-            await ch.close()
-        for w in self.workers:
-            await w.stop(grace=0.5)
-        for c in self.clients:
-            await c.close()
-        await self.kvstore.stop(grace=0.5)
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["auto", "fp8"])
-async def stack(request):
-    torch.set_num_threads(2)
-    kv_dtype = request.param
-    index = MemoryIndex()
-    kvstore = KVStoreServer(KVStoreConfig(port=0, capacity_bytes=256 << 20, publish_interval=0.01), index=index)
-    await kvstore.start()
-    reference = await asyncio.to_thread(LLM, "smollm2", device="cpu", kv_cache_dtype=kv_dtype,
-                                        block_size=BS, kv_cache_memory=KV_MEMORY, max_num_seqs=4,
-                                        max_model_len=MAX_MODEL_LEN)
-    s = Stack(kv_dtype, index, kvstore, reference, InMemorySpanExporter())
-    try:
-        await s.add_worker(PrefillWorker, PrefillConfig)
-        await s.decode(0)
-        yield s
-    finally:
-        await s.close()
-
-
-def _prompt(n: int) -> list[int]:
-    rng = random.Random()
-    return [rng.randrange(100, 49000) for _ in range(n)]
-
-
-def _greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-async def _disagg(stack: Stack, prompt: list[int], params: SamplingParams, decode: int = 0,
-                  cached: list[bytes] = ()) -> tuple[list[int], str, pb.PrefillReply, list[pb.GenerateChunk]]:
-    """Prefill hop then a decode stream, as the gateway does it."""
-    sampling = convert.sampling_to_proto(params)
-    refs = [pb.BlockRef(hash=h, node=stack.kvstore.address) for h in cached]
-    reply = await stack.prefill_stub().Prefill(pb.PrefillRequest(
-        request_id=f"t-{random.random()}", prompt_token_ids=prompt, sampling=sampling, cached_blocks=refs))
-    chunks = [c async for c in (await stack.decode_stub(decode)).Generate(pb.GenerateRequest(
-        request_id=f"t-{random.random()}", prompt_token_ids=prompt, sampling=sampling, prefilled=reply))]
-    tokens = [reply.first_token] + [t for c in chunks for t in c.token_ids]
-    text = reply.first_text + "".join(c.text for c in chunks)
-    return tokens, text, reply, chunks
 
 
 async def test_disaggregated_text_keeps_an_unfinished_last_character(stack: Stack):
@@ -165,20 +40,20 @@ async def test_disaggregated_text_keeps_an_unfinished_last_character(stack: Stac
     rng = random.Random(155)
     prompt = [rng.randrange(100, 49000) for _ in range(2 * BS + 5)]
     for max_tokens in (10, 1):
-        params = _greedy(max_tokens)
+        params = greedy(max_tokens)
         ref = (await asyncio.to_thread(stack.reference.generate, [prompt], params))[0].outputs[0]
         assert ref.text.endswith("\ufffd"), ref.text  # the case this test is about
-        tokens, text, _, _ = await _disagg(stack, prompt, params)
+        tokens, text, _, _ = await disaggregated(stack, prompt, params)
         assert tokens == ref.token_ids
         assert text == ref.text
 
 
 async def test_disaggregated_output_equals_single_process(stack: Stack):
-    prompt = _prompt(2 * BS + 5)
-    params = _greedy(10)
+    prompt = random_prompt(2 * BS + 5)
+    params = greedy(10)
     ref = (await asyncio.to_thread(stack.reference.generate, [prompt], params))[0].outputs[0]
     # The gateway "found" the prompt's blocks, but the store never had them: prefill recomputes.
-    tokens, text, reply, chunks = await _disagg(stack, prompt, params, cached=stack.hashes(prompt))
+    tokens, text, reply, chunks = await disaggregated(stack, prompt, params, cached=stack.hashes(prompt))
     assert tokens == ref.token_ids
     assert text == ref.text
     assert chunks[-1].finish_reason == "length" and all(not c.finish_reason for c in chunks[:-1])
@@ -198,22 +73,22 @@ async def test_disaggregated_output_equals_single_process(stack: Stack):
 async def test_seeded_sample_through_prefill_hop_equals_single_process(stack: Stack):
     """The prefill worker draws the first token, the decode worker the rest: with a seed the whole
     answer equals kvmesh.LLM's."""
-    prompt = _prompt(BS + 7)
+    prompt = random_prompt(BS + 7)
     params = SamplingParams(temperature=1.0, top_k=40, seed=4321, max_tokens=12, ignore_eos=True)
     ref = (await asyncio.to_thread(stack.reference.generate, [prompt], params))[0].outputs[0]
-    tokens, text, _, _ = await _disagg(stack, prompt, params)
+    tokens, text, _, _ = await disaggregated(stack, prompt, params)
     assert tokens == ref.token_ids
     assert text == ref.text
 
 
 @pytest.mark.parametrize("stack", ["auto"], indirect=True)  # a second decode engine costs a model load
 async def test_second_turn_hits_blocks_of_first_turns_decode_worker(stack: Stack):
-    p1 = _prompt(40)
-    out1, _, _, _ = await _disagg(stack, p1, _greedy(26), decode=0)
-    ref1 = (await asyncio.to_thread(stack.reference.generate, [p1], _greedy(26)))[0].outputs[0]
+    p1 = random_prompt(40)
+    out1, _, _, _ = await disaggregated(stack, p1, greedy(26), decode=0)
+    ref1 = (await asyncio.to_thread(stack.reference.generate, [p1], greedy(26)))[0].outputs[0]
     assert out1 == ref1.token_ids
     # Turn 2 = turn 1 + its answer + a new user message: 72 tokens; KV exists for 65 of turn 1's 66.
-    p2 = p1 + out1 + _prompt(6)
+    p2 = p1 + out1 + random_prompt(6)
     hashes = stack.hashes(p2)
     assert len(hashes) == 4
     deadline = time.monotonic() + 5.0
@@ -230,7 +105,7 @@ async def test_second_turn_hits_blocks_of_first_turns_decode_worker(stack: Stack
     assert all(pf in h for h in holders[:2]), holders
     assert all(b not in h for h in holders)
 
-    params = _greedy(8)
+    params = greedy(8)
     ref2 = (await asyncio.to_thread(stack.reference.generate, [p2], params))[0]
     chunks = [c async for c in (await stack.decode_stub(1)).Generate(pb.GenerateRequest(
         request_id="turn2", prompt_token_ids=p2, sampling=convert.sampling_to_proto(params), do_prefill=True,
@@ -240,7 +115,7 @@ async def test_second_turn_hits_blocks_of_first_turns_decode_worker(stack: Stack
     assert [t for c in chunks for t in c.token_ids] == ref2.outputs[0].token_ids
     assert "".join(c.text for c in chunks) == ref2.outputs[0].text
     # The same turn through the prefill worker: it has blocks 0-1 itself and pulls 2-3 from the store.
-    tokens, text, reply, _ = await _disagg(stack, p2, params, decode=0, cached=hashes)
+    tokens, text, reply, _ = await disaggregated(stack, p2, params, decode=0, cached=hashes)
     assert reply.num_cached_tokens == 4 * BS
     assert tokens == ref2.outputs[0].token_ids and text == ref2.outputs[0].text
 
@@ -249,8 +124,8 @@ async def test_cancelled_stream_frees_blocks(stack: Stack):
     engine = (await stack.decode(0)).runtime.engine
     base = await engine.run(lambda e: e.stats())
     assert base.num_running == 0
-    params = convert.sampling_to_proto(_greedy(200))
-    prompt = _prompt(3 * BS + 2)
+    params = convert.sampling_to_proto(greedy(200))
+    prompt = random_prompt(3 * BS + 2)
     reply = await stack.prefill_stub().Prefill(pb.PrefillRequest(
         request_id="cancel-me", prompt_token_ids=prompt, sampling=params))
     call = (await stack.decode_stub(0)).Generate(pb.GenerateRequest(
@@ -278,8 +153,8 @@ async def test_cancelled_stream_frees_blocks(stack: Stack):
 @pytest.mark.parametrize("stack", ["auto"], indirect=True)
 async def test_worker_at_capacity_refuses_with_resource_exhausted(stack: Stack):
     runtime = (await stack.decode(0)).runtime
-    params = convert.sampling_to_proto(_greedy(100))
-    prompt = _prompt(BS + 2)
+    params = convert.sampling_to_proto(greedy(100))
+    prompt = random_prompt(BS + 2)
     reply = await stack.prefill_stub().Prefill(pb.PrefillRequest(prompt_token_ids=prompt, sampling=params))
     runtime.max_pending = 1
     try:
@@ -298,8 +173,8 @@ async def test_worker_at_capacity_refuses_with_resource_exhausted(stack: Stack):
 
 @pytest.mark.parametrize("stack", ["auto"], indirect=True)
 async def test_decode_recomputes_blocks_gone_from_store(stack: Stack):
-    prompt = _prompt(2 * BS + 3)
-    params = _greedy(5)
+    prompt = random_prompt(2 * BS + 3)
+    params = greedy(5)
     ref = (await asyncio.to_thread(stack.reference.generate, [prompt], params))[0].outputs[0]
     sampling = convert.sampling_to_proto(params)
     reply = await stack.prefill_stub().Prefill(pb.PrefillRequest(
@@ -317,7 +192,7 @@ async def test_decode_recomputes_blocks_gone_from_store(stack: Stack):
 
 @pytest.mark.parametrize("stack", ["auto"], indirect=True)
 async def test_decode_asks_the_store_for_no_block_the_prefill_worker_could_not_put(stack: Stack):
-    prompt, params = _prompt(2 * BS + 5), _greedy(4)
+    prompt, params = random_prompt(2 * BS + 5), greedy(4)
     ref = (await asyncio.to_thread(stack.reference.generate, [prompt], params))[0].outputs[0]
     sampling = convert.sampling_to_proto(params)
     reply = await stack.prefill_stub().Prefill(pb.PrefillRequest(
@@ -335,9 +210,9 @@ async def test_decode_asks_the_store_for_no_block_the_prefill_worker_could_not_p
 
 @pytest.mark.parametrize("stack", ["auto"], indirect=True)
 async def test_concurrent_requests_each_get_their_own_stream(stack: Stack):
-    prompts = [_prompt(n) for n in (BS + 3, 2 * BS + 7, 3 * BS)]
+    prompts = [random_prompt(n) for n in (BS + 3, 2 * BS + 7, 3 * BS)]
     lengths = [4, 7, 5]
-    results = await asyncio.gather(*(_disagg(stack, p, _greedy(n)) for p, n in zip(prompts, lengths)))
+    results = await asyncio.gather(*(disaggregated(stack, p, greedy(n)) for p, n in zip(prompts, lengths)))
     for p, n, (tokens, text, reply, chunks) in zip(prompts, lengths, results):
         assert len(tokens) == n and chunks[-1].finish_reason == "length"
         assert reply.tail.num_tokens == len(p) % BS and len(reply.blocks) == len(p) // BS
@@ -347,8 +222,8 @@ async def test_concurrent_requests_each_get_their_own_stream(stack: Stack):
 
 @pytest.mark.parametrize("stack", ["auto"], indirect=True)
 async def test_short_prompt_with_do_prefill(stack: Stack):
-    prompt = _prompt(6)
-    params = dataclasses.replace(_greedy(6), logprobs=2)
+    prompt = random_prompt(6)
+    params = dataclasses.replace(greedy(6), logprobs=2)
     ref = (await asyncio.to_thread(stack.reference.generate, [prompt], params))[0].outputs[0]
     chunks = [c async for c in (await stack.decode_stub(1)).Generate(pb.GenerateRequest(
         request_id="short", prompt_token_ids=prompt, sampling=convert.sampling_to_proto(params),
@@ -363,7 +238,7 @@ async def test_short_prompt_with_do_prefill(stack: Stack):
 
 @pytest.mark.parametrize("stack", ["auto"], indirect=True)
 async def test_health_metrics_and_bad_requests(stack: Stack):
-    await _disagg(stack, _prompt(40), _greedy(2))  # a prefill hop: the decode worker pulls its pages
+    await disaggregated(stack, random_prompt(40), greedy(2))  # a prefill hop: the decode worker pulls its pages
     for ch in stack.channels:
         reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""))
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -383,14 +258,14 @@ async def test_health_metrics_and_bad_requests(stack: Stack):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in e.value.details()
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await stack.prefill_stub().Prefill(pb.PrefillRequest(
-            prompt_token_ids=_prompt(MAX_MODEL_LEN + 1), sampling=pb.SamplingParams(max_tokens=4)))
+            prompt_token_ids=random_prompt(MAX_MODEL_LEN + 1), sampling=pb.SamplingParams(max_tokens=4)))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max-model-len" in e.value.details()
     with pytest.raises(grpc.aio.AioRpcError) as e:
         _ = [c async for c in (await stack.decode_stub(0)).Generate(pb.GenerateRequest(
-            prompt_token_ids=_prompt(20), sampling=pb.SamplingParams(max_tokens=4)))]
+            prompt_token_ids=random_prompt(20), sampling=pb.SamplingParams(max_tokens=4)))]
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prefilled" in e.value.details()
     # A tail in another dtype would corrupt the residual slot inside the engine step: refused up front.
-    prompt = _prompt(BS + 1)
+    prompt = random_prompt(BS + 1)
     sampling = pb.SamplingParams(max_tokens=3)
     reply = await stack.prefill_stub().Prefill(pb.PrefillRequest(prompt_token_ids=prompt, sampling=sampling))
     reply.tail.dtype = "fp16"
@@ -412,8 +287,8 @@ async def test_health_metrics_and_bad_requests(stack: Stack):
 async def test_a_paced_stream_carries_several_tokens_a_message(stack: Stack):
     """--max-chunk-rate shared by one stream: its first token goes out at once, later messages carry
     what several steps made, and the stream (tokens, text, logprobs) is the unpaced one."""
-    prompt = _prompt(6)
-    params = dataclasses.replace(_greedy(24), logprobs=1)
+    prompt = random_prompt(6)
+    params = dataclasses.replace(greedy(24), logprobs=1)
     ref = (await asyncio.to_thread(stack.reference.generate, [prompt], params))[0].outputs[0]
     servicer = (await stack.decode(1)).servicer
     servicer.max_chunk_rate = 2  # one stream: a message every 0.5 s, several steps even on a loaded CPU
