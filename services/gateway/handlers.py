@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from kvmesh.hashing import block_hashes
 
 MAX_CHOICES = 256  # completions (prompts x n) one HTTP request may ask for
 LONG_TEXT_CHARS = 16384  # tokenize longer texts in a thread (about 1 ms per 4k chars inline)
+
+log = logging.getLogger("kvmesh.gateway")
 
 
 @dataclass(frozen=True)
@@ -188,12 +191,7 @@ async def _stream(request, gw, it, rid, model, created, jobs, states, common, ch
         first = await it.__anext__()  # errors before any output still get a proper status code
     except StopAsyncIteration:
         first = None
-    resp = await sse.open_stream(request)
-    if chat:
-        for s in states:  # OpenAI opens every choice with the role
-            await resp.write(sse.event(R.chat_chunk(rid, model, created, s.index,
-                                                    {"role": "assistant", "content": ""},
-                                                    with_usage_field=uf)))
+    resp = sse.new_stream()
 
     async def emit(d) -> None:
         s = states[d.index]
@@ -223,20 +221,32 @@ async def _stream(request, gw, it, rid, model, created, jobs, states, common, ch
                                                       with_usage_field=uf)))
 
     try:
-        if first is not None:
-            await emit(first)
-            async for d in it:
-                await emit(d)
-        if uf:
-            firsts = [states[k * common.n] for k in range(len(jobs))]
-            u = R.usage(sum(len(j.ids) for j in jobs), sum(len(s.token_ids) for s in states),
-                        sum(s.num_cached_tokens for s in firsts))
-            obj = "chat.completion.chunk" if chat else "text_completion"
-            await resp.write(sse.event(R.usage_chunk(rid, model, created, obj, u)))
-    except ApiError as e:  # mid-stream failure: the status is sent already, so say it in-band
-        await resp.write(sse.event(e.body()))
-    await resp.write(sse.DONE)
-    await resp.write_eof()
+        await sse.open_stream(request, resp)
+        if chat:
+            for s in states:  # OpenAI opens every choice with the role
+                await resp.write(sse.event(R.chat_chunk(rid, model, created, s.index,
+                                                        {"role": "assistant", "content": ""},
+                                                        with_usage_field=uf)))
+        try:
+            if first is not None:
+                await emit(first)
+                async for d in it:
+                    await emit(d)
+            if uf:
+                firsts = [states[k * common.n] for k in range(len(jobs))]
+                u = R.usage(sum(len(j.ids) for j in jobs), sum(len(s.token_ids) for s in states),
+                            sum(s.num_cached_tokens for s in firsts))
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                await resp.write(sse.event(R.usage_chunk(rid, model, created, obj, u)))
+        except ApiError as e:  # mid-stream failure: the status is sent already, so say it in-band
+            await resp.write(sse.event(e.body()))
+        await resp.write(sse.DONE)
+        await resp.write_eof()
+    except ConnectionResetError:
+        # the client hung up while a chunk was on its way: its disconnect raced this write (else
+        # handler cancellation stops us first). Nobody is left to answer: _generate's finally aborts
+        # the workers' calls, and aiohttp drops the connection.
+        log.debug("the client left during the stream of %s", rid)
     return resp
 
 

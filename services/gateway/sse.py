@@ -28,12 +28,15 @@ def parse(stream: bytes) -> list:
     return out
 
 
-async def open_stream(request: web.Request) -> web.StreamResponse:
-    resp = web.StreamResponse(status=200, headers={
+def new_stream() -> web.StreamResponse:
+    """An event stream's response, not yet sent (`open_stream` sends its status and headers)."""
+    return web.StreamResponse(status=200, headers={
         "Content-Type": "text/event-stream; charset=utf-8",
         "Cache-Control": "no-cache",
         "X-Accel-Buffering": "no",  # proxies must not buffer token streams
     })
+
+
+async def open_stream(request: web.Request, resp: web.StreamResponse) -> None:
     await resp.prepare(request)
     request[STREAM_OPEN] = True
-    return resp
