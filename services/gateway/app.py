@@ -110,6 +110,10 @@ async def _health_loop(gw: Gateway) -> None:
                 log.warning("worker %s is now %s", client.address, "up" if up else "down")
                 if not up and (n := gw.dispatcher.worker_down(client.address)):
                     log.warning("%d calls to %s that had answered nothing are routed again", n, client.address)
+            elif not gw.router.workers[client.address].healthy and (
+                    n := gw.dispatcher.give_up_stalled(client.address, gw.cfg.stalled_stream_timeout_s)):
+                log.warning("%d streams of %s, down, sent nothing for %g s and cannot go on elsewhere: "
+                            "failed", n, client.address, gw.cfg.stalled_stream_timeout_s)
         await asyncio.sleep(gw.cfg.health_interval_s)
 
 

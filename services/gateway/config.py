@@ -57,6 +57,10 @@ class GatewayConfig:
     """--health-interval: seconds between gRPC health checks of each worker."""
     request_timeout_s: float = 600.0
     """--request-timeout: seconds a single worker call may take."""
+    stalled_stream_timeout_s: float = 10.0
+    """--stalled-stream-timeout: a stream whose worker the health checks find down, that has sent
+    nothing for this many seconds and cannot resume on another worker (dispatcher.py), is failed
+    with an in-band error; without it, a hung worker's streams wait for gRPC's keepalive (~80 s)."""
     index_timeout_s: float = 1.0
     """--index-timeout: seconds a prefix-index lookup may take before the request routes as a miss
     (a lookup of a whole prompt is one Redis round trip, milliseconds; the slack is for a busy
@@ -96,6 +100,8 @@ class GatewayConfig:
             raise ValueError(f"--health-interval must be > 0, got {self.health_interval_s}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"--request-timeout must be > 0, got {self.request_timeout_s}")
+        if self.stalled_stream_timeout_s <= 0:
+            raise ValueError(f"--stalled-stream-timeout must be > 0, got {self.stalled_stream_timeout_s}")
         if self.index_timeout_s <= 0:
             raise ValueError(f"--index-timeout must be > 0, got {self.index_timeout_s}")
 
@@ -142,6 +148,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-num-requests", type=int, default=d["max_num_requests"].default)
     p.add_argument("--health-interval", type=float, default=d["health_interval_s"].default)
     p.add_argument("--request-timeout", type=float, default=d["request_timeout_s"].default)
+    p.add_argument("--stalled-stream-timeout", type=float, default=d["stalled_stream_timeout_s"].default)
     p.add_argument("--index-timeout", type=float, default=d["index_timeout_s"].default)
     return parser
 
@@ -157,4 +164,4 @@ def from_args(args: argparse.Namespace) -> GatewayConfig:
         route_beta=args.route_beta, route_store_weight=args.route_store_weight,
         route_tolerance=args.route_tolerance, max_num_requests=args.max_num_requests,
         health_interval_s=args.health_interval, request_timeout_s=args.request_timeout,
-        index_timeout_s=args.index_timeout)
+        stalled_stream_timeout_s=args.stalled_stream_timeout, index_timeout_s=args.index_timeout)

@@ -7,7 +7,9 @@ down and the choice is routed again; capacity errors become 429, bad input 400. 
 checks find down (dead, or hung: a stopped process answers nothing, not even an error) has its
 calls cancelled (`worker_down`): before, a request sent to a stopped prefill worker waited 80 s for
 the channel's keepalive to give up. A choice whose decode worker dies or hangs after it sent tokens
-goes on on another decode worker where that is exact (`resumption.py`).
+goes on on another decode worker where that is exact (`resumption.py`); where it is not, its stream
+is failed once it has sent nothing for `--stalled-stream-timeout` while its worker is down
+(`give_up_stalled`), where it waited for the keepalive (~80 s) before.
 """
 from __future__ import annotations
 
@@ -85,6 +87,7 @@ class _Waiting:
         self.can_resume = can_resume
         self.streamed = False
         self.abandoned = False
+        self.last_chunk = time.monotonic()  # when the call began or last sent a chunk
 
     def worth_abandoning(self) -> bool:
         return not self.streamed or (self.can_resume is not None and self.can_resume())
@@ -109,8 +112,18 @@ class Dispatcher:
     def worker_down(self, address: str) -> int:
         """The health checks found `address` down: cancel its calls in flight (their choices are
         routed again, or resumed elsewhere where they had sent tokens). How many."""
+        return self._abandon(address, lambda w: w.worth_abandoning())  # the rest may yet go on
+
+    def give_up_stalled(self, address: str, silent_s: float) -> int:
+        """`address` is still down: cancel its streams that cannot go on elsewhere and have sent
+        nothing for `silent_s` (their clients get the error in-band); a worker the checks only
+        misjudge keeps streaming, and its streams live. How many."""
+        now = time.monotonic()
+        return self._abandon(address, lambda w: now - w.last_chunk >= silent_s)
+
+    def _abandon(self, address: str, which: Callable[[_Waiting], bool]) -> int:
         waiting = self._waiting.get(address, set())
-        given_up = [w for w in waiting if w.worth_abandoning()]  # the rest may yet go on: left alone
+        given_up = [w for w in waiting if which(w)]
         for w in given_up:
             waiting.discard(w)
             w.abandoned = True
@@ -271,6 +284,7 @@ class Dispatcher:
                             d.prompt_logprobs = list(chunk.prompt_logprobs)
                         self.metrics.prompt_done(n, chunk.num_cached_tokens, predicted)
                     w.streamed = True
+                    w.last_chunk = time.monotonic()
                     yield d
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
