@@ -48,16 +48,20 @@ def test_gated_silu_refuses_what_it_cannot_read():
 
 @pytest.mark.gpu
 def test_gpu_model_mlp_takes_the_kernel_and_adds_in_the_gemm():
-    from kvmesh.model.llama import MLP
+    from kvmesh.model.llama import MLP, RMSNorm
     from kvmesh.model.config import ModelConfig
     cfg = ModelConfig("LlamaForCausalLM", 64, 1, 4, 2, 16, 160, 100, 1e4, None, 1e-5, True, False,
                       256, 1, (2,), "bfloat16", "t")
     torch.manual_seed(3)
     mlp = MLP(cfg).to("cuda", torch.bfloat16)
-    x = torch.randn(5, 64, device="cuda", dtype=torch.bfloat16)
-    residual = torch.randn(5, 64, device="cuda", dtype=torch.bfloat16)
-    gate, up = (x.float() @ mlp.gate_up_proj.weight.float().t()).chunk(2, dim=-1)
-    want = residual.float() + (F.silu(gate) * up) @ mlp.down_proj.weight.float().t()  # [5, 64] fp32
-    got = mlp(x, residual)
-    assert got.data_ptr() == residual.data_ptr()  # the GEMM added into the residual stream in place
+    norm = RMSNorm(64, 1e-5).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(5, 64, device="cuda", dtype=torch.bfloat16)  # the layer's stream
+    h = F.rms_norm(x.float(), (64,), norm.weight.float(), 1e-5)
+    gate, up = (h @ mlp.gate_up_proj.weight.float().t()).chunk(2, dim=-1)
+    want = x.float() + (F.silu(gate) * up) @ mlp.down_proj.weight.float().t()  # [5, 64] fp32
+    with torch.no_grad():
+        got = mlp(norm, x)
+    assert got.data_ptr() == x.data_ptr()  # the GEMM added into the layer's stream in place
     assert (got.float() - want).norm() <= 2e-2 * want.norm()
