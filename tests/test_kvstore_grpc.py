@@ -225,6 +225,37 @@ async def test_health_and_graceful_stop(node):
         await client.close()
 
 
+async def test_the_first_puts_slab_is_allocated_off_the_event_loop():
+    """The first put sizes the slabs; touching a 1 GiB host slab's pages takes seconds, and the
+    server's event loop (its health checks, everyone's gets) must go on meanwhile."""
+    node = KVStoreServer(cfg(capacity_bytes=1 << 30))
+    await node.start()
+    client = GrpcKVStoreClient([node.address])
+    gaps: list[float] = []
+
+    async def ticker():
+        last = loop.time()
+        while True:
+            await asyncio.sleep(0.01)
+            gaps.append(loop.time() - last)
+            last = loop.time()
+
+    loop = asyncio.get_running_loop()
+    tick = asyncio.create_task(ticker())
+    try:
+        t0 = loop.time()
+        assert await client.put(rand_blocks(2, 100_000)) == 2
+        put_s = loop.time() - t0
+    finally:
+        tick.cancel()
+        await client.close()
+        await node.stop(grace=0.1)
+    # 0.15 s on an idle build machine, 2.5-4 s while it is loaded: long enough either way for a
+    # stalled loop to show as one gap of most of the put
+    assert put_s > 0.1, put_s
+    assert max(gaps) < put_s / 2, (max(gaps), put_s)  # the loop ran on through it
+
+
 async def test_local_client_same_interface():
     store = BlockStore(cfg(capacity_blocks=3, block_bytes=MiB))
     client = LocalKVStoreClient(store)

@@ -47,6 +47,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.metrics = metrics
         self.gate = gate if gate is not None else PullGate(0.0)  # pulls before pushes (off: arrival order)
         self.segments = SharedSegments()  # clients' shared memory (PutShared / GetShared)
+        self._allocating = asyncio.Lock()  # the first put's slabs, allocated once
 
     def _timed(self, op: str):
         return self.metrics.time_transfer(op) if self.metrics is not None else contextlib.nullcontext()
@@ -79,6 +80,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                         async for header, data in blocks:
                             if not header.hash:
                                 raise StreamError("Put: a block header has an empty hash")
+                            if self.store.slot_bytes is None:
+                                await self._allocate(len(data))
                             counts[self.store.put(header.hash, data, header.token_ids, header.layout,
                                                   header.crc32)] += 1
                             stored += 1
@@ -93,6 +96,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.PutReply(stored=counts[PutResult.STORED], already_held=counts[PutResult.ALREADY_HELD],
                            rejected=counts[PutResult.REJECTED])
+
+    async def _allocate(self, slot_bytes: int) -> None:
+        """The slabs, sized by the first block put, in a thread: touching a 1 GiB host slab's pages
+        took the event loop 3-4 s on the build machine (every call, health checks too, waited; a
+        larger pool outlasts the clients' deadlines). Puts wait for it; gets find nothing meanwhile."""
+        async with self._allocating:
+            if self.store.slot_bytes is None:
+                await asyncio.to_thread(self.store.allocate, slot_bytes)
 
     async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext):
         async for parts in self._get(request):

@@ -108,18 +108,21 @@ class BlockStore:
         self._evicted = self._demoted = self._promoted = self._rejected = 0
         self._bytes_in = self._bytes_out = 0
         if cfg.block_bytes is not None:
-            self._allocate(cfg.block_bytes)
+            self.allocate(cfg.block_bytes)
 
     # -- sizing -------------------------------------------------------------------------------
-    def _allocate(self, slot_bytes: int) -> None:
-        """Preallocate both tiers once the slot size is known (flag, or the first block put)."""
+    def allocate(self, slot_bytes: int) -> None:
+        """Preallocate both tiers once the slot size is known (flag, or the first block put). A host
+        slab's pages are touched here, seconds a GiB, so the server runs this in a thread (nothing
+        else in the store changes meanwhile: both tiers appear at once, at the end)."""
         cfg = self.cfg
         n = cfg.capacity_blocks if cfg.capacity_blocks is not None else cfg.capacity_bytes // slot_bytes
         if n < 1:
             raise ValueError(f"--capacity-bytes ({cfg.capacity_bytes}) holds no block of {slot_bytes} bytes")
-        self._primary = _Tier(Slab(n, slot_bytes, self.device))
         host_n = cfg.host_tier_bytes // slot_bytes
-        self._host = _Tier(Slab(host_n, slot_bytes, "cpu")) if host_n > 0 else None
+        primary = _Tier(Slab(n, slot_bytes, self.device))
+        host = _Tier(Slab(host_n, slot_bytes, "cpu")) if host_n > 0 else None
+        self._primary, self._host = primary, host
 
     @property
     def capacity_blocks(self) -> int:
@@ -143,7 +146,7 @@ class BlockStore:
         if crc32 is not None and crc != crc32:
             raise ChecksumError(f"block {block_hash.hex()[:16]}: crc32 {crc:#010x} != header {crc32:#010x}")
         if self._primary is None:
-            self._allocate(len(data))
+            self.allocate(len(data))
         if len(data) > self.slot_bytes:
             raise ValueError(f"block {block_hash.hex()[:16]} has {len(data)} bytes; slots hold "
                              f"{self.slot_bytes} (set --block-bytes to the largest block size)")
