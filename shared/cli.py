@@ -187,7 +187,9 @@ def _setup_logging(level: str, role: str) -> None:
 
 async def serve_until_signal(coro) -> None:
     """Run a service coroutine until it ends or SIGINT/SIGTERM arrives (then cancel it: graceful stop);
-    SIGUSR1 prints where it waits (kvmesh.stack_dump)."""
+    SIGUSR1 prints where it waits (kvmesh.stack_dump); a loop held by a blocking call is logged
+    (kvmesh.loop_watch)."""
+    from kvmesh.loop_watch import LoopWatch
     from kvmesh.stack_dump import install_on_loop
 
     task = asyncio.ensure_future(coro)
@@ -195,12 +197,15 @@ async def serve_until_signal(coro) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, task.cancel)
     install_on_loop(loop)  # kill -USR1: where every thread and task waits, on stderr
+    watch = LoopWatch()
+    watch.start()
     try:
         await task
     except asyncio.CancelledError:
         if not task.cancelled():
             raise
     finally:
+        await watch.stop()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
             loop.remove_signal_handler(sig)
 

@@ -33,9 +33,11 @@ def probes(stack: Stack) -> QuietProbes:
 
 
 def logged_errors(log_path) -> list[str]:
-    """The services' ERROR lines and tracebacks (their output, as `kvmesh up` prints it)."""
+    """The services' ERROR lines, tracebacks and event loops held by a blocking call (their output, as
+    `kvmesh up` prints it; kvmesh.loop_watch)."""
     with open(log_path) as f:
-        return [line.rstrip() for line in f if " ERROR " in line or "Traceback" in line][:20]
+        return [line.rstrip() for line in f
+                if " ERROR " in line or "Traceback" in line or "event loop has been held" in line][:20]
 
 
 def stack_pids(stack: Stack) -> set[int]:
