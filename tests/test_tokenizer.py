@@ -2,8 +2,11 @@
 same GGUF), the HF-directory round trip, and the digit split SmolLM2's tokenizer.json prescribes."""
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -49,6 +52,42 @@ def test_encode_decode_match_transformers(ours, theirs):
         assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids, skip_special_tokens=False), text
     assert ours.encode("<|im_start|>") == [1]  # special tokens stay whole
     assert ours.decode([1, 19556, 2]) == "Hello"  # and are skipped on decode
+
+
+def test_a_long_text_encodes_the_same_and_lets_other_threads_run(ours, theirs):
+    """Past 16,384 characters encode goes through encode_batch, which releases the GIL (encode holds
+    it: an event loop waiting on a thread that tokenizes stopped for the whole call)."""
+    text = " ".join(TEXTS) * 2000  # ~300k characters
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            time.sleep(0.002)
+            ticks.append(time.monotonic())
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        t0 = time.monotonic()
+        ids = ours.encode(text)
+        t1 = time.monotonic()
+    finally:
+        stop.set()
+        ticker.join()
+    assert ids == theirs.encode(text)
+    during = [t for t in ticks if t0 < t < t1]
+    assert len(during) >= (t1 - t0) / 0.01, (len(during), t1 - t0)  # the other thread kept running
+
+
+def test_fewest_tokens_is_a_lower_bound(ours):
+    rng = random.Random(0)
+    alphabet = "ab #\n\t=-Üñ🎉日本" + "".join(chr(rng.randrange(32, 0x3000)) for _ in range(200))
+    texts = TEXTS + ["#" * 5000, " " * 5000, "\n    " * 800, "=" * 4096]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 3000))) for _ in range(30)]
+    for text in texts:
+        assert ours.fewest_tokens(text) <= len(ours.encode(text, add_special_tokens=False)), text[:40]
+    assert ours.fewest_tokens("word " * 100_000) > 5000  # long texts get a useful bound
 
 
 def test_chat_template_matches_transformers(ours, theirs):
