@@ -339,12 +339,19 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     body = await read_json(request)
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    if isinstance(tokens, list) and len(tokens) >= LONG_TEXT_CHARS:  # 8M ids held the loop 3 s
+        return web.json_response({"prompt": await asyncio.to_thread(_detokenized, gw, body)})
+    return web.json_response({"prompt": _detokenized(gw, body)})
+
+
+def _detokenized(gw: Gateway, body) -> str:
     tokens = parse_detokenize(body)
     gw.check_model(body.get("model"))
     vocab = gw.tokenizer.vocab_size
     if any(t >= vocab for t in tokens):
         raise ApiError(400, f"tokens holds an id outside the vocabulary (size {vocab})", param="tokens")
-    return web.json_response({"prompt": gw.tokenizer.decode(list(tokens))})
+    return gw.tokenizer.decode(list(tokens))
 
 
 async def health(request: web.Request) -> web.Response:

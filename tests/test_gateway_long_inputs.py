@@ -1,0 +1,54 @@
+"""Inputs of megabytes at the gateway: a prompt no context could hold is refused before it is
+tokenized, and tokenizing or detokenizing a long one leaves the event loop (every other stream) free."""
+from __future__ import annotations
+
+import json
+
+from kvmesh.gateway.app import GATEWAY
+from loop_gaps import LoopGaps
+from test_gateway_api import client, model_facts  # noqa: F401  (fixtures)
+
+
+async def test_a_prompt_no_context_could_hold_is_refused_before_it_is_tokenized(client):  # noqa: F811
+    """A 60 MB text took ~45 s of a core to tokenize (the event loop held all along) before the same
+    400; its length alone shows it cannot fit. A token-id list is measured before it is decoded."""
+    gw = client.server.app[GATEWAY]
+
+    class Untouchable:
+        def __init__(self, tok):
+            self.tok = tok
+
+        def __getattr__(self, name):
+            if name in ("encode", "decode"):
+                raise AssertionError(f"{name} called on a prompt that cannot fit")
+            return getattr(self.tok, name)
+
+    tok, gw.tokenizer = gw.tokenizer, Untouchable(gw.tokenizer)
+    try:
+        for path, body, param in (
+                ("/v1/completions", {"model": "smollm2", "prompt": "word " * 400_000}, "prompt"),
+                ("/v1/chat/completions", {"model": "smollm2",
+                                          "messages": [{"role": "user", "content": "word " * 400_000}]}, "messages"),
+                ("/v1/completions", {"model": "smollm2", "prompt": list(range(100, 200_100))}, "prompt")):
+            r = await client.post(path, json={**body, "max_tokens": 4})
+            assert r.status == 400
+            err = (await r.json())["error"]
+            assert err["code"] == "context_length_exceeded" and err["param"] == param, err
+        assert "at least" in err["message"] or "200004 tokens" in err["message"], err
+    finally:
+        gw.tokenizer = tok
+    r = await client.post("/v1/completions", json={"model": "smollm2", "prompt": "word " * 10, "max_tokens": 80})
+    assert r.status == 400 and "requested 91 tokens" in (await r.json())["error"]["message"]  # exact when short
+
+
+async def test_a_long_detokenize_leaves_the_event_loop_running(client, model_facts):  # noqa: F811
+    """3M ids took the loop ~1.2 s to check and decode (tokenizers' decode holds the GIL); long lists
+    are checked in a thread and decoded through decode_batch, which lets the loop run."""
+    tok, _ = model_facts
+    ids = [100 + (i * 7919) % 40000 for i in range(3_000_000)]
+    raw = json.dumps({"model": "smollm2", "tokens": ids}).encode()
+    async with LoopGaps() as loop:
+        r = await client.post("/detokenize", data=raw, headers={"Content-Type": "application/json"})
+        text = (await r.json())["prompt"]
+    assert r.status == 200 and text == tok.backend.decode(ids, skip_special_tokens=True)
+    assert loop.longest < loop.seconds / 2, (loop.longest, loop.seconds)  # the body's json.loads is the longest
