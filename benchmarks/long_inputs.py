@@ -1,0 +1,64 @@
+"""Megabyte inputs at the gateway: how long each request takes and the longest stall of the gateway's
+event loop meanwhile (every other stream waits that long), a row per input, in one run.
+
+    .venv/bin/python benchmarks/long_inputs.py [--mb 60] [--max-model-len 2048]
+
+The gateway app in this process (SmolLM2's tokenizer, no workers: every row is refused or answered
+by the gateway itself) and a ticker task on its loop; inputs: a text prompt and a chat message of
+--mb megabytes, a token-id prompt and a /detokenize list of ~--mb megabytes of JSON, and a
+/tokenize text of a tenth of it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+
+from aiohttp.test_utils import TestClient, TestServer
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from loop_gaps import LoopGaps  # noqa: E402
+
+from kvmesh.gateway.app import build_app  # noqa: E402
+from kvmesh.gateway.config import GatewayConfig  # noqa: E402
+from kvmesh.index import MemoryIndex  # noqa: E402
+from kvmesh.model.config import model_identity  # noqa: E402
+from kvmesh.model.tokenizer import Tokenizer  # noqa: E402
+
+
+def inputs(mb: int) -> list[tuple[str, str, dict]]:
+    words = "word " * (mb * 200_000)
+    ids = [100 + (i * 7919) % 40000 for i in range(mb * 130_000)]  # ~7.7 bytes of JSON an id
+    return [("text prompt", "/v1/completions", {"model": "smollm2", "prompt": words, "max_tokens": 4}),
+            ("chat message", "/v1/chat/completions",
+             {"model": "smollm2", "messages": [{"role": "user", "content": words}], "max_tokens": 4}),
+            ("token-id prompt", "/v1/completions", {"model": "smollm2", "prompt": ids, "max_tokens": 4}),
+            ("/detokenize", "/detokenize", {"model": "smollm2", "tokens": ids}),
+            ("/tokenize, a tenth", "/tokenize", {"model": "smollm2", "prompt": words[: len(words) // 10]})]
+
+
+async def main(args: argparse.Namespace) -> None:
+    tok = Tokenizer.from_model("smollm2")
+    app = build_app(GatewayConfig(decode=("127.0.0.1:9",), max_model_len=args.max_model_len), tokenizer=tok,
+                    index=MemoryIndex(), model_id=model_identity("smollm2"), health_checks=False)
+    client = TestClient(TestServer(app, client_max_size=128 << 20))
+    await client.start_server()
+    print(f"| input | body MB | status | seconds | longest loop stall s |\n|---|---|---|---|---|")
+    try:
+        for name, path, body in inputs(args.mb):
+            raw = json.dumps(body).encode()
+            async with LoopGaps() as loop:
+                r = await client.post(path, data=raw, headers={"Content-Type": "application/json"})
+                await r.read()
+            print(f"| {name} | {len(raw) / 1e6:.0f} | {r.status} | {loop.seconds:.2f} | {loop.longest:.2f} |", flush=True)
+    finally:
+        await client.close()
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mb", type=int, default=60)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    asyncio.run(main(ap.parse_args()))
