@@ -5,8 +5,8 @@ event loop meanwhile (every other stream waits that long), a row per input, in o
 
 The gateway app in this process (SmolLM2's tokenizer, no workers: every row is refused or answered
 by the gateway itself) and a ticker task on its loop; inputs: a text prompt and a chat message of
---mb megabytes, a token-id prompt and a /detokenize list of ~--mb megabytes of JSON, and a
-/tokenize text of a tenth of it.
+--mb megabytes, a token-id prompt and a /detokenize list of ~--mb megabytes of JSON, a /tokenize
+text of a tenth of it, and a chat of ~--mb megabytes of one-letter messages.
 """
 from __future__ import annotations
 
@@ -36,7 +36,9 @@ def inputs(mb: int) -> list[tuple[str, str, dict]]:
              {"model": "smollm2", "messages": [{"role": "user", "content": words}], "max_tokens": 4}),
             ("token-id prompt", "/v1/completions", {"model": "smollm2", "prompt": ids, "max_tokens": 4}),
             ("/detokenize", "/detokenize", {"model": "smollm2", "tokens": ids}),
-            ("/tokenize, a tenth", "/tokenize", {"model": "smollm2", "prompt": words[: len(words) // 10]})]
+            ("/tokenize, a tenth", "/tokenize", {"model": "smollm2", "prompt": words[: len(words) // 10]}),
+            ("chat of one-letter messages", "/v1/chat/completions",
+             {"model": "smollm2", "messages": [{"role": "user", "content": "x"}] * (mb * 30_000), "max_tokens": 4})]
 
 
 async def main(args: argparse.Namespace) -> None:

@@ -1,5 +1,6 @@
 """Inputs of megabytes at the gateway: a prompt no context could hold is refused before it is
-tokenized, and tokenizing or detokenizing a long one leaves the event loop (every other stream) free."""
+tokenized, and tokenizing, detokenizing or rendering a long one leaves the event loop (every other
+stream) free."""
 from __future__ import annotations
 
 import json
@@ -52,3 +53,15 @@ async def test_a_long_detokenize_leaves_the_event_loop_running(client, model_fac
         text = (await r.json())["prompt"]
     assert r.status == 200 and text == tok.backend.decode(ids, skip_special_tokens=True)
     assert loop.longest < loop.seconds / 2, (loop.longest, loop.seconds)  # the body's json.loads is the longest
+
+
+async def test_a_body_of_a_million_messages_is_checked_and_rendered_off_the_loop(client):  # noqa: F811
+    """Parsing, checking and rendering 500k chat messages is Python on the event loop for ~1.5 s; a
+    body of 1 MB or more does it in a thread, so only the body's json.loads holds the loop."""
+    raw = json.dumps({"model": "smollm2", "messages": [{"role": "user", "content": "x"}] * 500_000,
+                      "max_tokens": 4}).encode()
+    async with LoopGaps() as loop:
+        r = await client.post("/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"})
+        err = (await r.json())["error"]
+    assert r.status == 400 and err["code"] == "context_length_exceeded", err
+    assert loop.longest < loop.seconds / 2, (loop.longest, loop.seconds)

@@ -1,97 +1,26 @@
 """HTTP handlers: /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /health, /metrics."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from contextlib import aclosing
-import dataclasses
-from dataclasses import dataclass
 
-import jinja2
 from aiohttp import web
 
+from kvmesh.gateway import prompts as P
 from kvmesh.gateway import responses as R
 from kvmesh.gateway import sse
 from kvmesh.gateway.app import GATEWAY, Gateway
-from kvmesh.gateway.json_body import read_json
 from kvmesh.gateway.dispatcher import merge, new_request_id
-from kvmesh.gateway.openai_api import (ApiError, CommonRequest, parse_chat, parse_completion,
-                                       parse_detokenize, parse_tokenize)
+from kvmesh.gateway.json_body import read_json
+from kvmesh.gateway.openai_api import ApiError, CommonRequest
 from kvmesh.hashing import block_hashes
-
-MAX_CHOICES = 256  # completions (prompts x n) one HTTP request may ask for
-LONG_TEXT_CHARS = 16384  # tokenize longer texts in a thread (about 1 ms per 4k chars inline)
 
 log = logging.getLogger("kvmesh.gateway")
 
 
-@dataclass(frozen=True)
-class Job:
-    """One prompt of a request, tokenized and checked."""
-
-    ids: tuple[int, ...]
-    text: str  # the prompt as text (echo)
-    max_tokens: int  # sent to the worker
-    score_only: bool  # echo with max_tokens 0: the worker's one token is dropped
-
-
-def render_chat(gw: Gateway, messages, add_generation_prompt: bool) -> str:
-    """The chat template's text; a template that rejects the conversation is the client's 400."""
-    try:
-        return gw.tokenizer.apply_chat_template([dict(m) for m in messages],
-                                                add_generation_prompt=add_generation_prompt)
-    except (ValueError, jinja2.TemplateError) as e:
-        raise ApiError(400, str(e), param="messages") from None
-
-
-async def encode(gw: Gateway, text: str, add_special_tokens: bool) -> list[int]:
-    """Token ids; long texts are encoded off the event loop so other streams keep flowing."""
-    if len(text) < LONG_TEXT_CHARS:
-        return gw.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    return await asyncio.to_thread(gw.tokenizer.encode, text, add_special_tokens)
-
-
-async def encode_prompt(gw: Gateway, text: str, common: CommonRequest, param: str,
-                        add_special_tokens: bool) -> list[int]:
-    """A prompt's token ids, unless its length alone shows it cannot fit the context: a 60 MB text
-    took ~45 s of a core to tokenize before it was refused. (Shorter ones get the exact count.)"""
-    fewest = gw.tokenizer.fewest_tokens(text)
-    if fewest >= gw.max_model_len:
-        _check_length(gw, fewest, common, param, at_least=True)
-    return await encode(gw, text, add_special_tokens)
-
-
-def _check_length(gw: Gateway, p: int, common: CommonRequest, param: str, at_least: bool = False) -> int:
-    """The completion's max_tokens for a prompt of `p` tokens; a 400 where the two exceed the context."""
-    m, asked = gw.max_model_len, common.sampling.max_tokens
-    max_tokens = asked if asked is not None else m - p
-    if p + max(max_tokens, 0) > m or (asked is None and p >= m):
-        out = max(max_tokens, 0)
-        some = "at least " if at_least else ""
-        raise ApiError(400, f"This model's maximum context length is {m} tokens (--max-model-len). "
-                            f"However, you requested {some}{p + out} tokens ({some}{p} in the {param}, "
-                            f"{out} in the completion). Please reduce the length of the "
-                            f"{param} or completion.", param=param, code="context_length_exceeded")
-    return max_tokens
-
-
 def token_text(gw: Gateway, token_id: int) -> str:
     return gw.tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def make_job(gw: Gateway, ids: list[int], text: str, common: CommonRequest, param: str) -> Job:
-    if not ids:
-        raise ApiError(400, f"{param} is empty after tokenization", param=param)
-    max_tokens = _check_length(gw, len(ids), common, param)  # first: O(1), the rest reads every id
-    vocab = gw.tokenizer.vocab_size
-    bad_ids = [t for t in ids if t >= vocab]
-    if bad_ids:
-        raise ApiError(400, f"{param} holds token id {bad_ids[0]} outside the vocabulary "
-                            f"(size {vocab})", param=param)
-    score_only = max_tokens == 0
-    return Job(ids=tuple(ids), text=text, max_tokens=1 if score_only else max_tokens,
-               score_only=score_only)
 
 
 async def _lookup(gw: Gateway, ids: tuple[int, ...], cache_salt: str):
@@ -101,7 +30,7 @@ async def _lookup(gw: Gateway, ids: tuple[int, ...], cache_salt: str):
     return hashes, await gw.lookups.lookup(hashes)  # one round trip for the whole prompt; misses if it fails
 
 
-async def _deltas(gw: Gateway, jobs: list[Job], common: CommonRequest, rid: str):
+async def _deltas(gw: Gateway, jobs: list[P.Job], common: CommonRequest, rid: str):
     """Merged deltas of every job's n choices (choice index = job * n + j)."""
     its = []
     for k, job in enumerate(jobs):
@@ -144,7 +73,7 @@ class _Timing:
                 self.m.lab(self.m.request_success, finished_reason=s.finish_reason).inc()
 
 
-async def _generate(request: web.Request, gw: Gateway, jobs: list[Job], common: CommonRequest,
+async def _generate(request: web.Request, gw: Gateway, jobs: list[P.Job], common: CommonRequest,
                     chat: bool, want_logprobs: bool, echo: bool) -> web.StreamResponse:
     if gw.active >= gw.cfg.max_num_requests:
         raise ApiError(429, f"the gateway is at --max-num-requests ({gw.cfg.max_num_requests}); "
@@ -177,7 +106,7 @@ async def _generate(request: web.Request, gw: Gateway, jobs: list[Job], common: 
         timing.finish(states)
 
 
-def _final(gw: Gateway, rid: str, model: str, jobs: list[Job], states: list[R.ChoiceState],
+def _final(gw: Gateway, rid: str, model: str, jobs: list[P.Job], states: list[R.ChoiceState],
            common: CommonRequest, chat: bool, want_logprobs: bool, echo: bool) -> dict:
     tt = lambda t: token_text(gw, t)  # noqa: E731
     if chat:
@@ -270,32 +199,25 @@ async def _stream(request, gw, it, rid, model, created, jobs, states, common, ch
 # ---------------------------------------------------------------------------------------------
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
-    req = parse_chat(await read_json(request))
-    gw.check_model(req.common.model)
-    text = render_chat(gw, req.messages, req.add_generation_prompt)
+    req, text = await P.prepared(request, P.chat_prompt, gw, await read_json(request))
     # the template already holds BOS where the model wants one
-    ids = await encode_prompt(gw, text, req.common, "messages", add_special_tokens=False)
-    job = make_job(gw, ids, text, req.common, "messages")
+    ids = await P.encode_prompt(gw, text, req.common, "messages", add_special_tokens=False)
+    job = P.make_job(gw, ids, text, req.common, "messages")
     return await _generate(request, gw, [job], req.common, chat=True,
                            want_logprobs=req.common.sampling.logprobs is not None, echo=False)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
-    req = parse_completion(await read_json(request))
-    gw.check_model(req.common.model)
-    if len(req.prompts) * req.common.n > MAX_CHOICES:
-        raise ApiError(400, f"{len(req.prompts)} prompts x n={req.common.n} is more than {MAX_CHOICES} "
-                            "completions in one request; split the batch", param="prompt")
+    req = await P.prepared(request, P.completion_request, gw, await read_json(request))
     jobs = []
     for i, p in enumerate(req.prompts):
         param = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
         if isinstance(p, str):
-            jobs.append(make_job(gw, await encode_prompt(gw, p, req.common, param, add_special_tokens=True),
+            jobs.append(P.make_job(gw, await P.encode_prompt(gw, p, req.common, param, add_special_tokens=True),
                                  p, req.common, param))
-        else:  # checked before its text is decoded: a list too long is refused at once
-            job = make_job(gw, list(p), "", req.common, param)
-            jobs.append(dataclasses.replace(job, text=gw.tokenizer.decode(list(p), skip_special_tokens=False)))
+        else:
+            jobs.append(await P.prepared(request, P.ids_job, gw, list(p), req.common, param))
     return await _generate(request, gw, jobs, req.common, chat=False,
                            want_logprobs=req.common.sampling.logprobs is not None, echo=req.echo)
 
@@ -324,13 +246,8 @@ async def version(request: web.Request) -> web.Response:
 
 async def tokenize(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    req = parse_tokenize(await read_json(request))
-    gw.check_model(req["model"])
-    if "chat" in req:
-        text = render_chat(gw, req["chat"], req["add_generation_prompt"])
-    else:
-        text = req["prompt"]
-    ids = await encode(gw, text, add_special_tokens=req["add_special_tokens"])
+    req, text = await P.prepared(request, P.tokenize_input, gw, await read_json(request))
+    ids = await P.encode(gw, text, add_special_tokens=req["add_special_tokens"])
     strs = gw.tokenizer.convert_ids_to_tokens(ids) if req["return_token_strs"] else None
     return web.json_response({"count": len(ids), "max_model_len": gw.max_model_len, "tokens": ids,
                               "token_strs": strs})
@@ -338,20 +255,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    body = await read_json(request)
-    tokens = body.get("tokens") if isinstance(body, dict) else None
-    if isinstance(tokens, list) and len(tokens) >= LONG_TEXT_CHARS:  # 8M ids held the loop 3 s
-        return web.json_response({"prompt": await asyncio.to_thread(_detokenized, gw, body)})
-    return web.json_response({"prompt": _detokenized(gw, body)})
-
-
-def _detokenized(gw: Gateway, body) -> str:
-    tokens = parse_detokenize(body)
-    gw.check_model(body.get("model"))
-    vocab = gw.tokenizer.vocab_size
-    if any(t >= vocab for t in tokens):
-        raise ApiError(400, f"tokens holds an id outside the vocabulary (size {vocab})", param="tokens")
-    return gw.tokenizer.decode(list(tokens))
+    return web.json_response({"prompt": await P.prepared(request, P.detokenized, gw, await read_json(request))})
 
 
 async def health(request: web.Request) -> web.Response:

@@ -1,0 +1,136 @@
+"""A request body made into jobs: its prompts parsed, rendered (chat template), tokenized and checked
+against the context, before anything is routed. Work on megabytes of input stays off the event loop:
+long texts and id lists go through the tokenizer's GIL-free batch calls, a prompt no context could
+hold is refused before it is tokenized, and a big body is checked and rendered in a thread
+(docs/gateway.md, "A request's trip"; benchmarks/long_inputs.py)."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass
+
+import jinja2
+from aiohttp import web
+
+from kvmesh.gateway.app import Gateway
+from kvmesh.gateway.openai_api import (ApiError, CommonRequest, parse_chat, parse_completion,
+                                       parse_detokenize, parse_tokenize)
+
+MAX_CHOICES = 256  # completions (prompts x n) one HTTP request may ask for
+LONG_TEXT_CHARS = 16384  # tokenize longer texts in a thread (about 1 ms per 4k chars inline)
+BIG_BODY_BYTES = 1 << 20  # check and render bodies this large in a thread (pure Python on MBs: seconds)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One prompt of a request, tokenized and checked."""
+
+    ids: tuple[int, ...]
+    text: str  # the prompt as text (echo)
+    max_tokens: int  # sent to the worker
+    score_only: bool  # echo with max_tokens 0: the worker's one token is dropped
+
+
+def render_chat(gw: Gateway, messages, add_generation_prompt: bool) -> str:
+    """The chat template's text; a template that rejects the conversation is the client's 400."""
+    try:
+        return gw.tokenizer.apply_chat_template([dict(m) for m in messages],
+                                                add_generation_prompt=add_generation_prompt)
+    except (ValueError, jinja2.TemplateError) as e:
+        raise ApiError(400, str(e), param="messages") from None
+
+
+async def encode(gw: Gateway, text: str, add_special_tokens: bool) -> list[int]:
+    """Token ids; long texts are encoded off the event loop so other streams keep flowing."""
+    if len(text) < LONG_TEXT_CHARS:
+        return gw.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return await asyncio.to_thread(gw.tokenizer.encode, text, add_special_tokens)
+
+
+async def encode_prompt(gw: Gateway, text: str, common: CommonRequest, param: str,
+                        add_special_tokens: bool) -> list[int]:
+    """A prompt's token ids, unless its length alone shows it cannot fit the context: a 60 MB text
+    took ~45 s of a core to tokenize before it was refused. (Shorter ones get the exact count.)"""
+    fewest = gw.tokenizer.fewest_tokens(text)
+    if fewest >= gw.max_model_len:
+        check_length(gw, fewest, common, param, at_least=True)
+    return await encode(gw, text, add_special_tokens)
+
+
+def check_length(gw: Gateway, p: int, common: CommonRequest, param: str, at_least: bool = False) -> int:
+    """The completion's max_tokens for a prompt of `p` tokens; a 400 where the two exceed the context."""
+    m, asked = gw.max_model_len, common.sampling.max_tokens
+    max_tokens = asked if asked is not None else m - p
+    if p + max(max_tokens, 0) > m or (asked is None and p >= m):
+        out = max(max_tokens, 0)
+        some = "at least " if at_least else ""
+        raise ApiError(400, f"This model's maximum context length is {m} tokens (--max-model-len). "
+                            f"However, you requested {some}{p + out} tokens ({some}{p} in the {param}, "
+                            f"{out} in the completion). Please reduce the length of the "
+                            f"{param} or completion.", param=param, code="context_length_exceeded")
+    return max_tokens
+
+
+def make_job(gw: Gateway, ids: list[int], text: str, common: CommonRequest, param: str) -> Job:
+    if not ids:
+        raise ApiError(400, f"{param} is empty after tokenization", param=param)
+    max_tokens = check_length(gw, len(ids), common, param)  # first: O(1), the rest reads every id
+    vocab = gw.tokenizer.vocab_size
+    bad_ids = [t for t in ids if t >= vocab]
+    if bad_ids:
+        raise ApiError(400, f"{param} holds token id {bad_ids[0]} outside the vocabulary "
+                            f"(size {vocab})", param=param)
+    score_only = max_tokens == 0
+    return Job(ids=tuple(ids), text=text, max_tokens=1 if score_only else max_tokens,
+               score_only=score_only)
+
+
+async def prepared(request: web.Request, fn, *args):
+    """fn(*args), in a thread for a body of BIG_BODY_BYTES or more: its Python work on megabytes of
+    input then takes the GIL in 5 ms turns with the event loop instead of holding it (a million chat
+    messages held the loop 2.9 s)."""
+    if (request.content_length or 0) >= BIG_BODY_BYTES:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+def chat_prompt(gw: Gateway, body) -> tuple:
+    """(the parsed request, its conversation rendered by the chat template) of a chat body."""
+    req = parse_chat(body)
+    gw.check_model(req.common.model)
+    return req, render_chat(gw, req.messages, req.add_generation_prompt)
+
+
+def completion_request(gw: Gateway, body):
+    """The parsed request of a completions body, its model and its count of choices checked."""
+    req = parse_completion(body)
+    gw.check_model(req.common.model)
+    if len(req.prompts) * req.common.n > MAX_CHOICES:
+        raise ApiError(400, f"{len(req.prompts)} prompts x n={req.common.n} is more than {MAX_CHOICES} "
+                            "completions in one request; split the batch", param="prompt")
+    return req
+
+
+def ids_job(gw: Gateway, ids: list[int], common: CommonRequest, param: str) -> Job:
+    """The job of a token-id prompt, checked before its text (for echo) is decoded."""
+    job = make_job(gw, ids, "", common, param)
+    return dataclasses.replace(job, text=gw.tokenizer.decode(ids, skip_special_tokens=False))
+
+
+def tokenize_input(gw: Gateway, body) -> tuple[dict, str]:
+    """(the parsed /tokenize request, the text to tokenize)."""
+    req = parse_tokenize(body)
+    gw.check_model(req["model"])
+    if "chat" in req:
+        return req, render_chat(gw, req["chat"], req["add_generation_prompt"])
+    return req, req["prompt"]
+
+
+def detokenized(gw: Gateway, body) -> str:
+    """The text of a /detokenize body's ids."""
+    tokens = parse_detokenize(body)
+    gw.check_model(body.get("model"))
+    vocab = gw.tokenizer.vocab_size
+    if any(t >= vocab for t in tokens):
+        raise ApiError(400, f"tokens holds an id outside the vocabulary (size {vocab})", param="tokens")
+    return gw.tokenizer.decode(list(tokens))
