@@ -13,12 +13,12 @@ import jinja2
 from aiohttp import web
 
 from kvmesh.gateway.app import Gateway
+from kvmesh.gateway.json_body import BIG_BODY_BYTES
 from kvmesh.gateway.openai_api import (ApiError, CommonRequest, parse_chat, parse_completion,
                                        parse_detokenize, parse_tokenize)
 
 MAX_CHOICES = 256  # completions (prompts x n) one HTTP request may ask for
 LONG_TEXT_CHARS = 16384  # tokenize longer texts in a thread (about 1 ms per 4k chars inline)
-BIG_BODY_BYTES = 1 << 20  # check and render bodies this large in a thread (pure Python on MBs: seconds)
 
 
 @dataclass(frozen=True)
