@@ -325,7 +325,8 @@ class LLMEngine:
         if seq.num_output_tokens + seq.pending < p.min_tokens:  # the index of the token it samples
             banned = tuple(p.stop_token_ids or ()) + (() if p.ignore_eos else tuple(self._eos))
         pending = prev.token_of(seq) if seq.pending and prev is not None and p.needs_penalties else None
-        return SampleRow(p, seq.token_ids, seq.num_prompt_tokens, seq.generator, banned, seq.pending, pending)
+        return SampleRow(p, seq.token_ids, seq.num_prompt_tokens, seq.generator, banned, seq.pending, pending,
+                         seq.device_tensors)
 
     def _append(self, seq: Sequence, tok: int, lp: Optional[TokenLogprob]) -> None:
         seq.append_tokens([tok])

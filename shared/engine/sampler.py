@@ -32,6 +32,19 @@ class SampleRow:
     """Tokens sampled by steps still in flight, not yet in token_ids (async scheduling)."""
     pending_token: Optional[torch.Tensor] = None
     """[1] int64 on the device: the pending token (num_pending 1), which penalties count too."""
+    device_tensors: Optional[dict] = None
+    """The sequence's own cache of tensors made from its params (`Sequence.device_tensors`)."""
+
+    def logit_bias(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The request's logit_bias as (token ids [B] int64, biases [B]) on `device`, made once a
+        request: rebuilt from its dict every step, a whole vocabulary's bias cost 5 ms a step (CPU),
+        which every sequence of the batch waited for."""
+        cache = self.device_tensors if self.device_tensors is not None else {}
+        key = ("logit_bias", device, dtype)
+        if key not in cache:
+            bias = self.params.logit_bias
+            cache[key] = (to_device(list(bias), device), to_device(list(bias.values()), device, dtype))
+        return cache[key]
 
     @property
     def num_output_tokens(self) -> int:
@@ -191,8 +204,8 @@ class Sampler:
         device without waiting for it: `to_device`)."""
         for i, r in enumerate(rows):
             if r.params.logit_bias:
-                ids = to_device(list(r.params.logit_bias), logits.device)
-                logits[i, ids] += to_device(list(r.params.logit_bias.values()), logits.device, logits.dtype)
+                ids, biases = r.logit_bias(logits.device, logits.dtype)
+                logits[i, ids] += biases
             if r.params.needs_penalties:
                 apply_penalties(logits[i], r)
             if r.banned_token_ids:

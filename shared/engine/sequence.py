@@ -40,6 +40,8 @@ class Sequence:
         self.residual_slot: Optional[int] = None
         self.status = Status.WAITING
         self.generator = generator
+        self.device_tensors: dict = {}
+        """What the sampler makes once of this request's params on the device (its logit bias)."""
         self.detok = detok
         self.logprobs: Optional[list[TokenLogprob]] = [] if request.params.logprobs is not None else None
         self.finish_reason: Optional[str] = None
