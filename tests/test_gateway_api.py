@@ -357,6 +357,6 @@ async def test_health_loop_marks_workers_by_grpc_health(model_facts):
 
 async def test_long_text_tokenized_off_loop_matches(client, model_facts):
     tok, _ = model_facts
-    text = "lorem ipsum dolor sit amet " * 800  # > LONG_TEXT_CHARS: the threaded path
+    text = "lorem ipsum dolor sit amet " * 800  # > GIL_FREE_CHARS: the threaded path
     r = await client.post("/tokenize", json={"prompt": text})
     assert (await r.json())["tokens"] == tok.encode(text)

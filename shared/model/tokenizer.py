@@ -22,8 +22,9 @@ from kvmesh.model.config import resolve_model_path
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 # texts this long (and a quarter as many ids) go through `encode_batch` / `decode_batch`, which let
 # other threads run meanwhile (`encode` and `decode` hold the GIL: 1.3 s for 3 MB of text, 0.56 s for
-# 3M ids, the caller's event loop stopped though it waits in a thread)
-_GIL_FREE_CHARS = 16384
+# 3M ids, the caller's event loop stopped though it waits in a thread); callers hand such texts to a
+# thread (the gateway), shorter ones are quicker inline
+GIL_FREE_CHARS = 16384
 
 # llama.cpp `tokenizer.ggml.pre` -> the split regex its merges were learned with. "smollm" (and the
 # StarCoder family) split every digit alone before GPT-2's regex, as their tokenizer.json does.
@@ -164,7 +165,7 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if len(text) < _GIL_FREE_CHARS:
+        if len(text) < GIL_FREE_CHARS:
             return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
@@ -179,7 +180,7 @@ class Tokenizer:
         return len(text) // max(1, self._max_token_chars)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        if len(ids) < _GIL_FREE_CHARS // 4:
+        if len(ids) < GIL_FREE_CHARS // 4:
             return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self.backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]  # GIL-free
 
