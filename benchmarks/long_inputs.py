@@ -1,12 +1,14 @@
 """Megabyte inputs at the gateway: how long each request takes and the longest stall of the gateway's
 event loop meanwhile (every other stream waits that long), a row per input, in one run.
 
-    .venv/bin/python benchmarks/long_inputs.py [--mb 60] [--max-model-len 2048]
+    .venv/bin/python benchmarks/long_inputs.py [--mb 60] [--max-model-len 2048] [--flood 8]
 
 The gateway app in this process (SmolLM2's tokenizer, no workers: every row is refused or answered
 by the gateway itself) and a ticker task on its loop; inputs: a text prompt and a chat message of
 --mb megabytes, a token-id prompt and a /detokenize list of ~--mb megabytes of JSON, a /tokenize
-text of a tenth of it, and a chat of ~--mb megabytes of one-letter messages.
+text of a tenth of it (with and without its token strings), and a chat of ~--mb megabytes of
+one-letter messages. Then a flood: --flood clients each tokenizing a tenth of --mb megabytes at once,
+and how long a /tokenize of a prompt that fits the context (40k characters) waits meanwhile.
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ def inputs(mb: int) -> list[tuple[str, str, dict]]:
             ("token-id prompt", "/v1/completions", {"model": "smollm2", "prompt": ids, "max_tokens": 4}),
             ("/detokenize", "/detokenize", {"model": "smollm2", "tokens": ids}),
             ("/tokenize, a tenth", "/tokenize", {"model": "smollm2", "prompt": words[: len(words) // 10]}),
+            ("/tokenize, a tenth, token strs", "/tokenize",
+             {"model": "smollm2", "prompt": words[: len(words) // 10], "return_token_strs": True}),
             ("chat of one-letter messages", "/v1/chat/completions",
              {"model": "smollm2", "messages": [{"role": "user", "content": "x"}] * (mb * 30_000), "max_tokens": 4})]
 
@@ -55,12 +59,34 @@ async def main(args: argparse.Namespace) -> None:
                 r = await client.post(path, data=raw, headers={"Content-Type": "application/json"})
                 await r.read()
             print(f"| {name} | {len(raw) / 1e6:.0f} | {r.status} | {loop.seconds:.2f} | {loop.longest:.2f} |", flush=True)
+        if args.flood:
+            await flood(client, args)
     finally:
         await client.close()
+
+
+async def flood(client: TestClient, args: argparse.Namespace) -> None:
+    """--flood clients tokenizing a tenth of --mb MB each, and a fitting prompt's /tokenize among them."""
+    big = json.dumps({"model": "smollm2", "prompt": "word " * (args.mb * 20_000)}).encode()
+    fits = {"model": "smollm2", "prompt": "fits " * 8_000}
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    posts = [asyncio.create_task(client.post("/tokenize", data=big, headers={"Content-Type": "application/json"}))
+             for _ in range(args.flood)]
+    await asyncio.sleep(0.5)
+    t1 = loop.time()
+    r = await client.post("/tokenize", json=fits)
+    await r.read()
+    waited = loop.time() - t1
+    for p in posts:
+        await (await p).read()
+    print(f"\n| flood | body MB each | fitting /tokenize status | it waited s | flood s |\n|---|---|---|---|---|\n"
+          f"| {args.flood} clients | {len(big) / 1e6:.0f} | {r.status} | {waited:.2f} | {loop.time() - t0:.2f} |")
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=60)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--flood", type=int, default=8, help="clients tokenizing megabytes at once (0: none)")
     asyncio.run(main(ap.parse_args()))

@@ -3,11 +3,14 @@ tokenized, and tokenizing, detokenizing or rendering a long one leaves the event
 stream) free."""
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 from kvmesh.gateway.app import GATEWAY
 from loop_gaps import LoopGaps
-from test_gateway_api import client, model_facts  # noqa: F401  (fixtures)
+from test_gateway_api import client, model_facts, start  # noqa: F401  (fixtures)
 
 
 async def test_a_prompt_no_context_could_hold_is_refused_before_it_is_tokenized(client):  # noqa: F811
@@ -81,3 +84,67 @@ async def test_a_big_body_with_surrogate_pairs_is_walked_off_the_loop(client):  
     lone = raw.replace(b'"\\ud83d\\ude00"', b'"\\ud83d"', 1)
     r = await client.post("/v1/chat/completions", data=lone, headers={"Content-Type": "application/json"})
     assert r.status == 400 and (await r.json())["error"]["param"] == "metadata[0]"
+
+
+async def test_a_chunked_big_body_is_checked_off_the_loop_too(client):  # noqa: F811
+    """A body sent without Content-Length (chunked) is as big as its bytes: 500k chat messages were
+    checked and rendered on the loop (~1.5 s) because only Content-Length was looked at."""
+    raw = json.dumps({"model": "smollm2", "messages": [{"role": "user", "content": "x"}] * 500_000,
+                      "max_tokens": 4}).encode()
+
+    async def chunks():
+        for i in range(0, len(raw), 1 << 20):
+            yield raw[i:i + (1 << 20)]
+
+    async with LoopGaps() as loop:
+        r = await client.post("/v1/chat/completions", data=chunks(), headers={"Content-Type": "application/json"})
+        err = (await r.json())["error"]
+    assert r.status == 400 and err["code"] == "context_length_exceeded", err
+    assert loop.longest < loop.seconds / 2, (loop.longest, loop.seconds)
+
+
+async def test_megabytes_to_tokenize_leave_the_threads_of_prompts_that_fit(model_facts):  # noqa: F811
+    """Six clients tokenizing 1.5 MB each held every thread of the default executor (~0.7 s a
+    request), so a 40k-character prompt that fits the context waited a second for one. Inputs longer
+    than any prompt the context holds now queue on the gateway's bulk threads; the prompt does not."""
+    c = await start(model_facts, max_model_len=8192, bulk_threads=2)
+    default = ThreadPoolExecutor(4)  # the default executor's size fixed, whatever this machine's cores
+    asyncio.get_running_loop().set_default_executor(default)
+    try:
+        big = {"model": "smollm2", "prompt": " ".join(["word"] * 300_000)}
+        t0 = time.perf_counter()
+        flood = [asyncio.create_task(c.post("/tokenize", json=big)) for _ in range(6)]
+        await asyncio.sleep(0.5)  # every flood request tokenizing or queued
+        t1 = time.perf_counter()
+        r = await c.post("/tokenize", json={"model": "smollm2", "prompt": " ".join(["fits"] * 8_000)})
+        waited = time.perf_counter() - t1
+        assert r.status == 200 and (await r.json())["count"] == 8_000
+        for f in flood:
+            r = await f
+            assert r.status == 200 and (await r.json())["count"] == 300_000
+        flood_s = time.perf_counter() - t0
+        assert waited < flood_s / 4, (waited, flood_s)
+    finally:
+        await c.close()
+        default.shutdown(wait=False)
+
+
+async def test_a_long_tokenize_result_is_rendered_off_the_loop(model_facts):  # noqa: F811
+    """400k ids with their token strings are ~0.13 s of Python to render: off the loop now (the
+    longest stall, ~0.35x of it, is measured against the same rendering timed inline here)."""
+    from kvmesh.gateway import prompts
+    c = await start(model_facts, max_model_len=8192)
+    try:
+        body = {"model": "smollm2", "prompt": " ".join(["word"] * 400_000), "return_token_strs": True}
+        async with LoopGaps() as loop:
+            r = await c.post("/tokenize", json=body)
+            raw = await r.read()
+        out = json.loads(raw)
+        assert r.status == 200 and out["count"] == 400_000, out["count"]
+        assert out["token_strs"][:2] == ["word", "Ġword"], out["token_strs"][:2]
+        t0 = time.perf_counter()
+        assert prompts.tokenized(c.server.app[GATEWAY], {"return_token_strs": True}, out["tokens"]) == raw.decode()
+        render_s = time.perf_counter() - t0
+        assert loop.longest < 0.7 * render_s, (loop.longest, render_s)  # inline: 1.1x
+    finally:
+        await c.close()

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import logging
 import random
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -38,6 +41,7 @@ class Gateway:
     clients: WorkerClients
     metrics: GatewayMetrics
     dispatcher: Dispatcher
+    bulk: ThreadPoolExecutor  # inputs longer than any prompt the context holds (--bulk-threads)
     active: int = 0
 
     @property
@@ -46,6 +50,14 @@ class Gateway:
 
     def hash_context(self, cache_salt: str) -> HashContext:
         return HashContext(self.model_id, self.cfg.kv_dtype(), self.cfg.block_size, cache_salt)
+
+    async def in_thread(self, fn, *args, bulk: bool = False):
+        """fn(*args) off the event loop (with the caller's context: its trace span), on the bulk
+        threads where the input is bigger than any prompt the context holds: a client's megabytes
+        queue behind each other there, and the default executor's few threads stay free for the
+        prompts that fit."""
+        call = functools.partial(contextvars.copy_context().run, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.bulk if bulk else None, call)
 
     def check_model(self, model: Optional[str]) -> None:
         if model is not None and model not in self.cfg.model_names:
@@ -150,7 +162,8 @@ def build_app(cfg: GatewayConfig, *, tokenizer: Any = None, index: Any = None,
                  lookups=IndexBreaker(index, cfg.index_timeout_s, metrics.index_error), model_id=model_id,
                  max_model_len=max_model_len, router=router, clients=clients, metrics=metrics,
                  dispatcher=Dispatcher(router, clients, metrics, timeout_s=cfg.request_timeout_s,
-                                       detokenize=tokenizer.decode))
+                                       detokenize=tokenizer.decode),
+                 bulk=ThreadPoolExecutor(cfg.bulk_threads, thread_name_prefix="gateway-bulk"))
     tracer = tracer or trace.get_tracer("kvmesh.gateway")
     # tracing outermost: its span is current while the handler calls workers, and sees the final status
     app = web.Application(middlewares=[tracing_middleware(tracer), errors_and_auth],
@@ -166,6 +179,7 @@ def build_app(cfg: GatewayConfig, *, tokenizer: Any = None, index: Any = None,
             await asyncio.gather(task, return_exceptions=True)
         await clients.close()
         await index.close()
+        gw.bulk.shutdown(wait=False, cancel_futures=True)
 
     app.cleanup_ctx.append(lifecycle)
     return app

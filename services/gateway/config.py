@@ -61,6 +61,10 @@ class GatewayConfig:
     """--stalled-stream-timeout: a stream whose worker the health checks find down, that has sent
     nothing for this many seconds and cannot resume on another worker (dispatcher.py), is failed
     with an in-band error; without it, a hung worker's streams wait for gRPC's keepalive (~80 s)."""
+    bulk_threads: int = 2
+    """--bulk-threads: threads for inputs longer than any prompt the context holds (/tokenize and
+    /detokenize of megabytes, bodies of 1 MB or more): such work queues on these, so a flood of it
+    cannot take the threads that tokenize the prompts that fit (prompts.py)."""
     index_timeout_s: float = 1.0
     """--index-timeout: seconds a prefix-index lookup may take before the request routes as a miss
     (a lookup of a whole prompt is one Redis round trip, milliseconds; the slack is for a busy
@@ -102,6 +106,8 @@ class GatewayConfig:
             raise ValueError(f"--request-timeout must be > 0, got {self.request_timeout_s}")
         if self.stalled_stream_timeout_s <= 0:
             raise ValueError(f"--stalled-stream-timeout must be > 0, got {self.stalled_stream_timeout_s}")
+        if self.bulk_threads < 1:
+            raise ValueError(f"--bulk-threads must be >= 1, got {self.bulk_threads}")
         if self.index_timeout_s <= 0:
             raise ValueError(f"--index-timeout must be > 0, got {self.index_timeout_s}")
 
@@ -150,6 +156,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=d["request_timeout_s"].default)
     p.add_argument("--stalled-stream-timeout", type=float, default=d["stalled_stream_timeout_s"].default)
     p.add_argument("--index-timeout", type=float, default=d["index_timeout_s"].default)
+    p.add_argument("--bulk-threads", type=int, default=d["bulk_threads"].default)
     return parser
 
 
@@ -164,4 +171,5 @@ def from_args(args: argparse.Namespace) -> GatewayConfig:
         route_beta=args.route_beta, route_store_weight=args.route_store_weight,
         route_tolerance=args.route_tolerance, max_num_requests=args.max_num_requests,
         health_interval_s=args.health_interval, request_timeout_s=args.request_timeout,
-        stalled_stream_timeout_s=args.stalled_stream_timeout, index_timeout_s=args.index_timeout)
+        stalled_stream_timeout_s=args.stalled_stream_timeout, index_timeout_s=args.index_timeout,
+        bulk_threads=args.bulk_threads)

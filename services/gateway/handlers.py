@@ -199,7 +199,7 @@ async def _stream(request, gw, it, rid, model, created, jobs, states, common, ch
 # ---------------------------------------------------------------------------------------------
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
-    req, text = await P.prepared(request, P.chat_prompt, gw, await read_json(request))
+    req, text = await P.prepared(request, P.chat_prompt, gw, await read_json(request, gw.bulk))
     # the template already holds BOS where the model wants one
     ids = await P.encode_prompt(gw, text, req.common, "messages", add_special_tokens=False)
     job = P.make_job(gw, ids, text, req.common, "messages")
@@ -209,7 +209,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
-    req = await P.prepared(request, P.completion_request, gw, await read_json(request))
+    req = await P.prepared(request, P.completion_request, gw, await read_json(request, gw.bulk))
     jobs = []
     for i, p in enumerate(req.prompts):
         param = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
@@ -246,16 +246,15 @@ async def version(request: web.Request) -> web.Response:
 
 async def tokenize(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    req, text = await P.prepared(request, P.tokenize_input, gw, await read_json(request))
+    req, text = await P.prepared(request, P.tokenize_input, gw, await read_json(request, gw.bulk))
     ids = await P.encode(gw, text, add_special_tokens=req["add_special_tokens"])
-    strs = gw.tokenizer.convert_ids_to_tokens(ids) if req["return_token_strs"] else None
-    return web.json_response({"count": len(ids), "max_model_len": gw.max_model_len, "tokens": ids,
-                              "token_strs": strs})
+    return web.json_response(text=await P.tokenize_response(gw, req, ids))
 
 
 async def detokenize(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    return web.json_response({"prompt": await P.prepared(request, P.detokenized, gw, await read_json(request))})
+    body = await read_json(request, gw.bulk)
+    return web.json_response(text=await P.prepared(request, P.detokenized, gw, body))
 
 
 async def health(request: web.Request) -> web.Response:

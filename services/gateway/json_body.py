@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from concurrent.futures import Executor
 from typing import Any, Optional
 
 from aiohttp import web
@@ -39,7 +40,8 @@ def unpaired_surrogate(body: Any) -> Optional[tuple[str, Optional[str]]]:
     return None
 
 
-async def read_json(request: web.Request) -> Any:
+async def read_json(request: web.Request, bulk: Executor) -> Any:
+    """The body, decoded; `bulk` walks a big one's strings (the gateway's bulk threads)."""
     raw = await request.read()
     try:
         body = json.loads(raw)
@@ -50,8 +52,8 @@ async def read_json(request: web.Request) -> Any:
     if _MAYBE_SURROGATE.search(raw):
         # a walk of every string: 1.7 s for a million messages, so a big body's walk takes turns with
         # the event loop from a thread
-        found = unpaired_surrogate(body) if len(raw) < BIG_BODY_BYTES else await asyncio.to_thread(
-            unpaired_surrogate, body)
+        found = unpaired_surrogate(body) if len(raw) < BIG_BODY_BYTES else await (
+            asyncio.get_running_loop().run_in_executor(bulk, unpaired_surrogate, body))
         if found is not None:
             what, param = found
             raise ApiError(400, f"{what} is not valid Unicode: it holds an unpaired UTF-16 surrogate",

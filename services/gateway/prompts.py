@@ -1,24 +1,28 @@
 """A request body made into jobs: its prompts parsed, rendered (chat template), tokenized and checked
 against the context, before anything is routed. Work on megabytes of input stays off the event loop:
 long texts and id lists go through the tokenizer's GIL-free batch calls, a prompt no context could
-hold is refused before it is tokenized, and a big body is checked and rendered in a thread
-(docs/gateway.md, "A request's trip"; benchmarks/long_inputs.py)."""
+hold is refused before it is tokenized, and a big body is checked and rendered in a thread. Inputs
+longer than any prompt the context holds take the gateway's bulk threads, so that they queue behind
+each other and not in front of the prompts that fit (docs/gateway.md, "A request's trip";
+benchmarks/long_inputs.py)."""
 from __future__ import annotations
 
-import asyncio
 import dataclasses
+import json
 from dataclasses import dataclass
 
 import jinja2
 from aiohttp import web
 
-from kvmesh.gateway.app import Gateway
+from kvmesh.gateway.app import GATEWAY, Gateway
 from kvmesh.gateway.json_body import BIG_BODY_BYTES
 from kvmesh.gateway.openai_api import (ApiError, CommonRequest, parse_chat, parse_completion,
                                        parse_detokenize, parse_tokenize)
 from kvmesh.model.tokenizer import GIL_FREE_CHARS
 
 MAX_CHOICES = 256  # completions (prompts x n) one HTTP request may ask for
+BULK_CHARS_A_TOKEN = 64  # a text this many characters a token of the context or longer is bulk work
+BIG_RESULT_IDS = 16384  # /tokenize results this long are rendered off the loop (1M ids with strs: 1 s)
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,8 @@ async def encode(gw: Gateway, text: str, add_special_tokens: bool) -> list[int]:
     """Token ids; long texts are encoded off the event loop so other streams keep flowing."""
     if len(text) < GIL_FREE_CHARS:  # about 1 ms per 4k chars inline; longer ones let the loop run
         return gw.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    return await asyncio.to_thread(gw.tokenizer.encode, text, add_special_tokens)
+    bulk = len(text) >= gw.max_model_len * BULK_CHARS_A_TOKEN  # /tokenize of megabytes: ~0.75 s a MB
+    return await gw.in_thread(gw.tokenizer.encode, text, add_special_tokens, bulk=bulk)
 
 
 async def encode_prompt(gw: Gateway, text: str, common: CommonRequest, param: str,
@@ -86,11 +91,11 @@ def make_job(gw: Gateway, ids: list[int], text: str, common: CommonRequest, para
 
 
 async def prepared(request: web.Request, fn, *args):
-    """fn(*args), in a thread for a body of BIG_BODY_BYTES or more: its Python work on megabytes of
-    input then takes the GIL in 5 ms turns with the event loop instead of holding it (a million chat
-    messages held the loop 2.9 s)."""
-    if (request.content_length or 0) >= BIG_BODY_BYTES:
-        return await asyncio.to_thread(fn, *args)
+    """fn(*args), on a bulk thread for a body of BIG_BODY_BYTES or more (as read: a chunked upload
+    has no Content-Length): its Python work on megabytes of input then takes the GIL in 5 ms turns
+    with the event loop instead of holding it (a million chat messages held the loop 2.9 s)."""
+    if len(await request.read()) >= BIG_BODY_BYTES:  # aiohttp keeps the body read_json read
+        return await request.app[GATEWAY].in_thread(fn, *args, bulk=True)
     return fn(*args)
 
 
@@ -126,11 +131,32 @@ def tokenize_input(gw: Gateway, body) -> tuple[dict, str]:
     return req, req["prompt"]
 
 
+def tokenized(gw: Gateway, req: dict, ids: list[int]) -> str:
+    """The /tokenize response's JSON, its lists dumped a slice at a time: one json.dumps call holds
+    the GIL throughout (~50 ms for 400k ids and strings), the event loop waiting on a thread."""
+    strs = json_list(gw.tokenizer.convert_ids_to_tokens(ids)) if req["return_token_strs"] else "null"
+    return (f'{{"count": {len(ids)}, "max_model_len": {gw.max_model_len}, "tokens": {json_list(ids)}, '
+            f'"token_strs": {strs}}}')
+
+
+def json_list(items: list, slice_len: int = 16384) -> str:
+    """json.dumps(items), a few milliseconds of it at a time."""
+    return "[" + ", ".join(json.dumps(items[i:i + slice_len])[1:-1]
+                           for i in range(0, len(items), slice_len)) + "]"
+
+
+async def tokenize_response(gw: Gateway, req: dict, ids: list[int]) -> str:
+    """tokenized(), off the event loop for a long result (the bulk threads' where no prompt is so long)."""
+    if len(ids) < BIG_RESULT_IDS:
+        return tokenized(gw, req, ids)
+    return await gw.in_thread(tokenized, gw, req, ids, bulk=len(ids) >= gw.max_model_len)
+
+
 def detokenized(gw: Gateway, body) -> str:
-    """The text of a /detokenize body's ids."""
+    """The /detokenize response's JSON: the text of the body's ids."""
     tokens = parse_detokenize(body)
     gw.check_model(body.get("model"))
     vocab = gw.tokenizer.vocab_size
     if any(t >= vocab for t in tokens):
         raise ApiError(400, f"tokens holds an id outside the vocabulary (size {vocab})", param="tokens")
-    return gw.tokenizer.decode(list(tokens))
+    return json.dumps({"prompt": gw.tokenizer.decode(list(tokens))})
