@@ -2,6 +2,7 @@
 event loop meanwhile (every other stream waits that long), a row per input, in one run.
 
     .venv/bin/python benchmarks/long_inputs.py [--mb 60] [--max-model-len 2048] [--flood 8]
+    .venv/bin/python benchmarks/long_inputs.py --concurrent 8   (memory alone: its own process)
 
 The gateway app in this process (SmolLM2's tokenizer, no workers: every row is refused or answered
 by the gateway itself) and a ticker task on its loop; inputs: a text prompt and a chat message of
@@ -9,6 +10,7 @@ by the gateway itself) and a ticker task on its loop; inputs: a text prompt and 
 text of a tenth of it (with and without its token strings), and a chat of ~--mb megabytes of
 one-letter messages. Then a flood: --flood clients each tokenizing a tenth of --mb megabytes at once,
 and how long a /tokenize of a prompt that fits the context (40k characters) waits meanwhile.
+--concurrent N: instead, N clients send the one-letter chat at once; the process's peak RSS.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import sys
 
 from aiohttp.test_utils import TestClient, TestServer
@@ -51,8 +54,10 @@ async def main(args: argparse.Namespace) -> None:
                     index=MemoryIndex(), model_id=model_identity("smollm2"), health_checks=False)
     client = TestClient(TestServer(app, client_max_size=128 << 20))
     await client.start_server()
-    print(f"| input | body MB | status | seconds | longest loop stall s |\n|---|---|---|---|---|")
     try:
+        if args.concurrent:
+            return await concurrent(client, args)
+        print(f"| input | body MB | status | seconds | longest loop stall s |\n|---|---|---|---|---|")
         for name, path, body in inputs(args.mb):
             raw = json.dumps(body).encode()
             async with LoopGaps() as loop:
@@ -63,6 +68,19 @@ async def main(args: argparse.Namespace) -> None:
             await flood(client, args)
     finally:
         await client.close()
+
+
+async def concurrent(client: TestClient, args: argparse.Namespace) -> None:
+    """--concurrent clients each sending the chat of one-letter messages; the peak RSS it cost."""
+    name, path, body = inputs(args.mb)[-1]
+    raw = json.dumps(body).encode()
+    del body
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # GB (Linux: KB)
+    rs = await asyncio.gather(*[client.post(path, data=raw, headers={"Content-Type": "application/json"})
+                                for _ in range(args.concurrent)])
+    print(f"| {args.concurrent} x {name} | body MB | statuses | peak RSS GB (before) |\n|---|---|---|---|\n"
+          f"| | {len(raw) / 1e6:.0f} | {sorted(set(r.status for r in rs))} | "
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} ({before:.2f}) |")
 
 
 async def flood(client: TestClient, args: argparse.Namespace) -> None:
@@ -89,4 +107,5 @@ if __name__ == "__main__":
     ap.add_argument("--mb", type=int, default=60)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--flood", type=int, default=8, help="clients tokenizing megabytes at once (0: none)")
+    ap.add_argument("--concurrent", type=int, default=0, help="only: clients sending a big chat at once, peak RSS")
     asyncio.run(main(ap.parse_args()))

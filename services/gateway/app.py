@@ -42,6 +42,7 @@ class Gateway:
     metrics: GatewayMetrics
     dispatcher: Dispatcher
     bulk: ThreadPoolExecutor  # inputs longer than any prompt the context holds (--bulk-threads)
+    bulk_slots: asyncio.Semaphore  # big bodies read and prepared at once (--bulk-threads): the memory they take
     active: int = 0
 
     @property
@@ -163,7 +164,8 @@ def build_app(cfg: GatewayConfig, *, tokenizer: Any = None, index: Any = None,
                  max_model_len=max_model_len, router=router, clients=clients, metrics=metrics,
                  dispatcher=Dispatcher(router, clients, metrics, timeout_s=cfg.request_timeout_s,
                                        detokenize=tokenizer.decode),
-                 bulk=ThreadPoolExecutor(cfg.bulk_threads, thread_name_prefix="gateway-bulk"))
+                 bulk=ThreadPoolExecutor(cfg.bulk_threads, thread_name_prefix="gateway-bulk"),
+                 bulk_slots=asyncio.Semaphore(cfg.bulk_threads))
     tracer = tracer or trace.get_tracer("kvmesh.gateway")
     # tracing outermost: its span is current while the handler calls workers, and sees the final status
     app = web.Application(middlewares=[tracing_middleware(tracer), errors_and_auth],

@@ -199,25 +199,27 @@ async def _stream(request, gw, it, rid, model, created, jobs, states, common, ch
 # ---------------------------------------------------------------------------------------------
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
-    req, text = await P.prepared(request, P.chat_prompt, gw, await read_json(request, gw.bulk))
-    # the template already holds BOS where the model wants one
-    ids = await P.encode_prompt(gw, text, req.common, "messages", add_special_tokens=False)
-    job = P.make_job(gw, ids, text, req.common, "messages")
+    async with P.body_slot(request):
+        req, text = await P.prepared(request, P.chat_prompt, gw, await read_json(request, gw.bulk))
+        # the template already holds BOS where the model wants one
+        ids = await P.encode_prompt(gw, text, req.common, "messages", add_special_tokens=False)
+        job = P.make_job(gw, ids, text, req.common, "messages")
     return await _generate(request, gw, [job], req.common, chat=True,
                            want_logprobs=req.common.sampling.logprobs is not None, echo=False)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
-    req = await P.prepared(request, P.completion_request, gw, await read_json(request, gw.bulk))
-    jobs = []
-    for i, p in enumerate(req.prompts):
-        param = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
-        if isinstance(p, str):
-            jobs.append(P.make_job(gw, await P.encode_prompt(gw, p, req.common, param, add_special_tokens=True),
-                                 p, req.common, param))
-        else:
-            jobs.append(await P.prepared(request, P.ids_job, gw, list(p), req.common, param))
+    async with P.body_slot(request):
+        req = await P.prepared(request, P.completion_request, gw, await read_json(request, gw.bulk))
+        jobs = []
+        for i, p in enumerate(req.prompts):
+            param = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
+            if isinstance(p, str):
+                ids = await P.encode_prompt(gw, p, req.common, param, add_special_tokens=True)
+                jobs.append(P.make_job(gw, ids, p, req.common, param))
+            else:
+                jobs.append(await P.prepared(request, P.ids_job, gw, list(p), req.common, param))
     return await _generate(request, gw, jobs, req.common, chat=False,
                            want_logprobs=req.common.sampling.logprobs is not None, echo=req.echo)
 
@@ -246,15 +248,17 @@ async def version(request: web.Request) -> web.Response:
 
 async def tokenize(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    req, text = await P.prepared(request, P.tokenize_input, gw, await read_json(request, gw.bulk))
-    ids = await P.encode(gw, text, add_special_tokens=req["add_special_tokens"])
-    return web.json_response(text=await P.tokenize_response(gw, req, ids))
+    async with P.body_slot(request):
+        req, text = await P.prepared(request, P.tokenize_input, gw, await read_json(request, gw.bulk))
+        ids = await P.encode(gw, text, add_special_tokens=req["add_special_tokens"])
+        return web.json_response(text=await P.tokenize_response(gw, req, ids))
 
 
 async def detokenize(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    body = await read_json(request, gw.bulk)
-    return web.json_response(text=await P.prepared(request, P.detokenized, gw, body))
+    async with P.body_slot(request):
+        return web.json_response(text=await P.prepared(request, P.detokenized, gw,
+                                                       await read_json(request, gw.bulk)))
 
 
 async def health(request: web.Request) -> web.Response:

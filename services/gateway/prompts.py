@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import traceback
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import jinja2
@@ -88,6 +90,26 @@ def make_job(gw: Gateway, ids: list[int], text: str, common: CommonRequest, para
     score_only = max_tokens == 0
     return Job(ids=tuple(ids), text=text, max_tokens=1 if score_only else max_tokens,
                score_only=score_only)
+
+
+@asynccontextmanager
+async def body_slot(request: web.Request):
+    """Held while a body of BIG_BODY_BYTES or more (or of unknown length: chunked) is read, parsed
+    and made into jobs: at most --bulk-threads such bodies at once, the rest unread meanwhile (their
+    clients' uploads wait on TCP). 61 MB of one-letter chat messages take ~1.1 GB parsed and
+    rendered, so a few clients at once could take the gateway's memory, and every stream with it."""
+    length = request.content_length
+    if length is not None and length < BIG_BODY_BYTES:
+        yield
+        return
+    async with request.app[GATEWAY].bulk_slots:
+        try:
+            yield
+        except BaseException as e:
+            # what the refused body was parsed into lives on in the traceback's frames (until the
+            # error is answered): freed here, before the next body is let in
+            traceback.clear_frames(e.__traceback__)
+            raise
 
 
 async def prepared(request: web.Request, fn, *args):
