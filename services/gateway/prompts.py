@@ -94,12 +94,12 @@ def make_job(gw: Gateway, ids: list[int], text: str, common: CommonRequest, para
 
 @asynccontextmanager
 async def body_slot(request: web.Request):
-    """Held while a body of BIG_BODY_BYTES or more (or of unknown length: chunked) is read, parsed
-    and made into jobs: at most --bulk-threads such bodies at once, the rest unread meanwhile (their
-    clients' uploads wait on TCP). 61 MB of one-letter chat messages take ~1.1 GB parsed and
-    rendered, so a few clients at once could take the gateway's memory, and every stream with it."""
-    length = request.content_length
-    if length is not None and length < BIG_BODY_BYTES:
+    """Held while a body of BIG_BODY_BYTES or more is parsed and made into jobs: at most
+    --bulk-threads such bodies at once, the others kept as bytes meanwhile. 61 MB of one-letter chat
+    messages are ~1.1 GB parsed and rendered, so a few clients at once could take the gateway's
+    memory, and every stream with it. The body is read before the slot is taken: a client that
+    uploads slowly holds its own connection, not a slot."""
+    if len(await request.read()) < BIG_BODY_BYTES:  # aiohttp keeps the bytes for read_json
         yield
         return
     async with request.app[GATEWAY].bulk_slots:
