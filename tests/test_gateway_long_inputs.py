@@ -167,3 +167,25 @@ async def test_big_bodies_are_parsed_a_bulk_slot_at_a_time(model_facts):  # noqa
         assert r.status == 200 and (await r.json())["count"] == 1_500_000
     finally:
         await c.close()
+
+
+async def test_big_bodies_past_eight_a_slot_get_a_429_unread(model_facts):  # noqa: F811
+    """Big bodies waiting for a slot are kept as bytes (up to 64 MiB each): at most 8 per bulk slot
+    are read or waiting; the next is refused before its body is read, and served once they are done."""
+    c = await start(model_facts, max_model_len=8192, bulk_threads=1)
+    try:
+        slow = asyncio.create_task(c.post("/tokenize", json={"model": "smollm2", "prompt": " ".join(["w"] * 1_500_000)}))
+        await asyncio.sleep(0.3)  # the slow one holds the slot
+        big = {"model": "smollm2", "prompt": " ".join(["word"] * 250_000)}  # 1.25 MB
+        waiting = [asyncio.create_task(c.post("/tokenize", json=big)) for _ in range(7)]
+        await asyncio.sleep(0.3)  # all read, waiting for the slot
+        r = await c.post("/tokenize", json=big)
+        err = (await r.json())["error"]
+        assert r.status == 429 and err["type"] == "rate_limit_exceeded" and r.headers["Retry-After"], err
+        assert (await slow).status == 200
+        assert [(await w).status for w in waiting] == [200] * 7
+        r = await c.post("/tokenize", json=big)
+        assert r.status == 200 and (await r.json())["count"] == 250_000
+        assert c.server.app[GATEWAY].big_bodies == 0
+    finally:
+        await c.close()

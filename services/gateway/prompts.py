@@ -24,6 +24,7 @@ from kvmesh.model.tokenizer import GIL_FREE_CHARS
 
 MAX_CHOICES = 256  # completions (prompts x n) one HTTP request may ask for
 BULK_CHARS_A_TOKEN = 64  # a text this many characters a token of the context or longer is bulk work
+BIG_BODIES_PER_SLOT = 8  # big bodies read or waiting per bulk slot: their bytes, <= 64 MiB each
 BIG_RESULT_IDS = 16384  # /tokenize results this long are rendered off the loop (1M ids with strs: 1 s)
 
 
@@ -95,21 +96,35 @@ def make_job(gw: Gateway, ids: list[int], text: str, common: CommonRequest, para
 @asynccontextmanager
 async def body_slot(request: web.Request):
     """Held while a body of BIG_BODY_BYTES or more is parsed and made into jobs: at most
-    --bulk-threads such bodies at once, the others kept as bytes meanwhile. 61 MB of one-letter chat
-    messages are ~1.1 GB parsed and rendered, so a few clients at once could take the gateway's
-    memory, and every stream with it. The body is read before the slot is taken: a client that
-    uploads slowly holds its own connection, not a slot."""
-    if len(await request.read()) < BIG_BODY_BYTES:  # aiohttp keeps the bytes for read_json
-        yield
-        return
-    async with request.app[GATEWAY].bulk_slots:
-        try:
+    --bulk-threads such bodies at once, the others kept as bytes meanwhile, and at most
+    BIG_BODIES_PER_SLOT x as many read or waiting (more get a 429 before they are read). 61 MB of
+    one-letter chat messages are ~1.1 GB parsed and rendered, so a few clients at once could take
+    the gateway's memory, and every stream with it. The body is read before the slot is taken: a
+    client that uploads slowly holds its own connection, not a slot."""
+    gw = request.app[GATEWAY]
+    length = request.content_length
+    counted = length is None or length >= BIG_BODY_BYTES  # chunked: as big as it may turn out
+    if counted:
+        most = BIG_BODIES_PER_SLOT * gw.cfg.bulk_threads
+        if gw.big_bodies >= most:
+            raise ApiError(429, f"{most} bodies of 1 MB or more are being read or prepared already "
+                                "(8 per --bulk-threads); retry later", type="rate_limit_exceeded")
+        gw.big_bodies += 1
+    try:
+        if len(await request.read()) < BIG_BODY_BYTES:  # aiohttp keeps the bytes for read_json
             yield
-        except BaseException as e:
-            # what the refused body was parsed into lives on in the traceback's frames (until the
-            # error is answered): freed here, before the next body is let in
-            traceback.clear_frames(e.__traceback__)
-            raise
+            return
+        async with gw.bulk_slots:
+            try:
+                yield
+            except BaseException as e:
+                # what the refused body was parsed into lives on in the traceback's frames (until
+                # the error is answered): freed here, before the next body is let in
+                traceback.clear_frames(e.__traceback__)
+                raise
+    finally:
+        if counted:
+            gw.big_bodies -= 1
 
 
 async def prepared(request: web.Request, fn, *args):
