@@ -12,7 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.index import MemoryIndex, RedisIndex
 from kvmesh.kvstore.chunks import GRPC_OPTIONS
-from kvmesh.kvstore.client import GrpcKVStoreClient, LocalKVStoreClient, StoredBlock, node_for
+from kvmesh.kvstore.client import (GrpcKVStoreClient, KVStoreUnavailable, LocalKVStoreClient, StoredBlock,
+                                   node_for)
 from kvmesh.kvstore.config import KVStoreConfig
 from kvmesh.kvstore.server import KVStoreServer
 from kvmesh.kvstore.store import BlockStore
@@ -337,3 +338,36 @@ async def test_prometheus_metrics():
     finally:
         await client.close()
         await server.stop(grace=0.1)
+
+
+async def test_a_first_put_cut_off_by_its_deadline_leaves_one_allocation(monkeypatch):
+    """The slabs are allocated once, however many first puts wait for them: a put whose deadline
+    ended during the allocation (seconds on a loaded machine) let the next put start another,
+    whose slab then replaced the one blocks had been stored in (three allocations seen under
+    py-spy, in a served burst)."""
+    import time
+    calls = []
+    allocate = BlockStore.allocate
+
+    def slow_allocate(store, slot_bytes):
+        calls.append(slot_bytes)
+        time.sleep(1.0)  # a loaded machine touching a big slab
+        allocate(store, slot_bytes)
+    monkeypatch.setattr(BlockStore, "allocate", slow_allocate)
+    node = KVStoreServer(cfg(capacity_bytes=16 * MiB))
+    await node.start()
+    impatient = GrpcKVStoreClient([node.address], timeout=0.3)
+    client = GrpcKVStoreClient([node.address])
+    try:
+        with pytest.raises(KVStoreUnavailable):  # its deadline ends first
+            await impatient.put(rand_blocks(1, 100_000))
+        kept = rand_blocks(2, 100_000)
+        assert await client.put(kept) == 2
+        await asyncio.sleep(1.5)  # any second allocation would be done by now
+        assert await client.put(rand_blocks(2, 100_000)) == 2
+        assert [b is not None for b in await client.get([b.hash for b in kept])] == [True, True]
+        assert calls == [100_000]
+    finally:
+        await impatient.close()
+        await client.close()
+        await node.stop(grace=0.1)

@@ -47,7 +47,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.metrics = metrics
         self.gate = gate if gate is not None else PullGate(0.0)  # pulls before pushes (off: arrival order)
         self.segments = SharedSegments()  # clients' shared memory (PutShared / GetShared)
-        self._allocating = asyncio.Lock()  # the first put's slabs, allocated once
+        self._allocation: asyncio.Future | None = None  # the first put's slabs, allocated once
 
     def _timed(self, op: str):
         return self.metrics.time_transfer(op) if self.metrics is not None else contextlib.nullcontext()
@@ -100,10 +100,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def _allocate(self, slot_bytes: int) -> None:
         """The slabs, sized by the first block put, in a thread: touching a 1 GiB host slab's pages
         took the event loop 3-4 s on the build machine (every call, health checks too, waited; a
-        larger pool outlasts the clients' deadlines). Puts wait for it; gets find nothing meanwhile."""
-        async with self._allocating:
-            if self.store.slot_bytes is None:
-                await asyncio.to_thread(self.store.allocate, slot_bytes)
+        larger pool outlasts the clients' deadlines). Puts wait for it; gets find nothing meanwhile.
+        One allocation, shielded: a put whose deadline ends while it runs leaves it running, and
+        the next put waits for it. (Behind a lock, a cancelled put let the next start a second
+        one, whose slab replaced the first with the blocks stored in it: three, under py-spy.)"""
+        a = self._allocation
+        if a is None or (a.done() and (a.cancelled() or a.exception() is not None)):  # none, or failed
+            a = self._allocation = asyncio.ensure_future(asyncio.to_thread(self.store.allocate, slot_bytes))
+        await asyncio.shield(a)
 
     async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext):
         async for parts in self._get(request):
