@@ -189,3 +189,44 @@ async def test_big_bodies_past_eight_a_slot_get_a_429_unread(model_facts):  # no
         assert c.server.app[GATEWAY].big_bodies == 0
     finally:
         await c.close()
+
+
+async def test_a_client_that_leaves_keeps_its_bulk_slot_till_its_thread_is_done(model_facts):  # noqa: F811
+    """A client that leaves cancels its handler, but not the thread at work on its input, which
+    holds the body: the slot used to be let go at once, so clients uploading megabytes and leaving
+    could pile parsed bodies up in the bulk queue without bound. Now the slot waits for the thread."""
+    c = await start(model_facts, max_model_len=8192, bulk_threads=1)
+    gw = c.server.app[GATEWAY]
+    encoded_at = []
+
+    class Timed:
+        def __init__(self, tok):
+            self.tok = tok
+
+        def encode(self, *args, **kw):
+            try:
+                return self.tok.encode(*args, **kw)
+            finally:
+                encoded_at.append(time.perf_counter())
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
+
+    gw.tokenizer = Timed(gw.tokenizer)
+    try:
+        left = asyncio.create_task(c.post("/tokenize", json={"model": "smollm2", "prompt": " ".join(["w"] * 1_500_000)}))
+        await asyncio.sleep(0.4)  # its body read, its text being tokenized in the bulk thread
+        left.cancel()  # the client leaves: the connection closes
+        await asyncio.gather(left, return_exceptions=True)
+        bad = b'{"model": "smollm2", "prompt": "' + b"word " * 400_000 + b'", "max_tokens": 4'  # 2 MB, no }
+        r = await c.post("/v1/completions", data=bad, headers={"Content-Type": "application/json"})
+        answered = time.perf_counter()
+        assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_json"
+        assert len(encoded_at) == 1 and answered > encoded_at[0], (encoded_at, answered)  # before: 0.5 s ahead
+        for _ in range(50):  # the handler's end, after its thread's
+            if gw.big_bodies == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert gw.big_bodies == 0
+    finally:
+        await c.close()

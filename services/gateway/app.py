@@ -57,9 +57,15 @@ class Gateway:
         """fn(*args) off the event loop (with the caller's context: its trace span), on the bulk
         threads where the input is bigger than any prompt the context holds: a client's megabytes
         queue behind each other there, and the default executor's few threads stay free for the
-        prompts that fit."""
+        prompts that fit. A caller cancelled (its client left) still waits for the thread: the work
+        holds the input, and the caller's bulk slot (prompts.body_slot) must hold until it is freed."""
         call = functools.partial(contextvars.copy_context().run, fn, *args)
-        return await asyncio.get_running_loop().run_in_executor(self.bulk if bulk else None, call)
+        work = asyncio.get_running_loop().run_in_executor(self.bulk if bulk else None, call)
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            await asyncio.wait([work])
+            raise
 
     def check_model(self, model: Optional[str]) -> None:
         if model is not None and model not in self.cfg.model_names:

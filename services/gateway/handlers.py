@@ -200,7 +200,7 @@ async def _stream(request, gw, it, rid, model, created, jobs, states, common, ch
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     async with P.body_slot(request):
-        req, text = await P.prepared(request, P.chat_prompt, gw, await read_json(request, gw.bulk))
+        req, text = await P.prepared(request, P.chat_prompt, gw, await read_json(request, gw.in_thread))
         # the template already holds BOS where the model wants one
         ids = await P.encode_prompt(gw, text, req.common, "messages", add_special_tokens=False)
         job = P.make_job(gw, ids, text, req.common, "messages")
@@ -211,7 +211,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     async with P.body_slot(request):
-        req = await P.prepared(request, P.completion_request, gw, await read_json(request, gw.bulk))
+        req = await P.prepared(request, P.completion_request, gw, await read_json(request, gw.in_thread))
         jobs = []
         for i, p in enumerate(req.prompts):
             param = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
@@ -249,7 +249,7 @@ async def version(request: web.Request) -> web.Response:
 async def tokenize(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     async with P.body_slot(request):
-        req, text = await P.prepared(request, P.tokenize_input, gw, await read_json(request, gw.bulk))
+        req, text = await P.prepared(request, P.tokenize_input, gw, await read_json(request, gw.in_thread))
         ids = await P.encode(gw, text, add_special_tokens=req["add_special_tokens"])
         return web.json_response(text=await P.tokenize_response(gw, req, ids))
 
@@ -258,7 +258,7 @@ async def detokenize(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     async with P.body_slot(request):
         return web.json_response(text=await P.prepared(request, P.detokenized, gw,
-                                                       await read_json(request, gw.bulk)))
+                                                       await read_json(request, gw.in_thread)))
 
 
 async def health(request: web.Request) -> web.Response:

@@ -1,11 +1,9 @@
 """A request body read as JSON, with every way it can be unusable answered as the client's 400."""
 from __future__ import annotations
 
-import asyncio
 import json
 import re
-from concurrent.futures import Executor
-from typing import Any, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 from aiohttp import web
 
@@ -40,8 +38,8 @@ def unpaired_surrogate(body: Any) -> Optional[tuple[str, Optional[str]]]:
     return None
 
 
-async def read_json(request: web.Request, bulk: Executor) -> Any:
-    """The body, decoded; `bulk` walks a big one's strings (the gateway's bulk threads)."""
+async def read_json(request: web.Request, in_thread: Callable[..., Awaitable]) -> Any:
+    """The body, decoded; a big one's strings are walked through `in_thread` (`Gateway.in_thread`)."""
     raw = await request.read()
     try:
         body = json.loads(raw)
@@ -52,8 +50,8 @@ async def read_json(request: web.Request, bulk: Executor) -> Any:
     if _MAYBE_SURROGATE.search(raw):
         # a walk of every string: 1.7 s for a million messages, so a big body's walk takes turns with
         # the event loop from a thread
-        found = unpaired_surrogate(body) if len(raw) < BIG_BODY_BYTES else await (
-            asyncio.get_running_loop().run_in_executor(bulk, unpaired_surrogate, body))
+        found = unpaired_surrogate(body) if len(raw) < BIG_BODY_BYTES else await in_thread(
+            unpaired_surrogate, body, bulk=True)
         if found is not None:
             what, param = found
             raise ApiError(400, f"{what} is not valid Unicode: it holds an unpaired UTF-16 surrogate",
