@@ -5,7 +5,9 @@ event loop meanwhile (every other stream waits that long), a row per input, in o
     .venv/bin/python benchmarks/long_inputs.py --concurrent 8   (memory alone: its own process)
 
 The gateway app in this process (SmolLM2's tokenizer, no workers: every row is refused or answered
-by the gateway itself) and a ticker task on its loop; inputs: a text prompt and a chat message of
+by the gateway itself) and a ticker task on its loop; the clients are threads (urllib, whose
+socket calls let the GIL go: an aiohttp client on the same loop showed its own 52 MB write as a
+stall of the gateway's loop); inputs: a text prompt and a chat message of
 --mb megabytes, a token-id prompt and a /detokenize list of ~--mb megabytes of JSON, a /tokenize
 text of a tenth of it (with and without its token strings), and a chat of ~--mb megabytes of
 one-letter messages. Then a flood: --flood clients each tokenizing a tenth of --mb megabytes at once,
@@ -20,8 +22,11 @@ import json
 import os
 import resource
 import sys
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestServer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from loop_gaps import LoopGaps  # noqa: E402
@@ -48,12 +53,32 @@ def inputs(mb: int) -> list[tuple[str, str, dict]]:
              {"model": "smollm2", "messages": [{"role": "user", "content": "x"}] * (mb * 30_000), "max_tokens": 4})]
 
 
+class Client:
+    """HTTP posts to the gateway from threads of their own."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.threads = ThreadPoolExecutor(32, thread_name_prefix="client")
+
+    def _post(self, path: str, raw: bytes) -> tuple[int, bytes]:
+        req = urllib.request.Request(self.url + path, data=raw, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=600) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    async def post(self, path: str, raw: bytes) -> tuple[int, bytes]:
+        return await asyncio.get_running_loop().run_in_executor(self.threads, self._post, path, raw)
+
+
 async def main(args: argparse.Namespace) -> None:
     tok = Tokenizer.from_model("smollm2")
     app = build_app(GatewayConfig(decode=("127.0.0.1:9",), max_model_len=args.max_model_len), tokenizer=tok,
                     index=MemoryIndex(), model_id=model_identity("smollm2"), health_checks=False)
-    client = TestClient(TestServer(app, client_max_size=128 << 20))
-    await client.start_server()
+    server = TestServer(app, client_max_size=128 << 20)
+    await server.start_server()
+    client = Client(f"http://127.0.0.1:{server.port}")
     try:
         if args.concurrent:
             return await concurrent(client, args)
@@ -61,45 +86,41 @@ async def main(args: argparse.Namespace) -> None:
         for name, path, body in inputs(args.mb):
             raw = json.dumps(body).encode()
             async with LoopGaps() as loop:
-                r = await client.post(path, data=raw, headers={"Content-Type": "application/json"})
-                await r.read()
-            print(f"| {name} | {len(raw) / 1e6:.0f} | {r.status} | {loop.seconds:.2f} | {loop.longest:.2f} |", flush=True)
+                status, _ = await client.post(path, raw)
+            print(f"| {name} | {len(raw) / 1e6:.0f} | {status} | {loop.seconds:.2f} | {loop.longest:.2f} |", flush=True)
         if args.flood:
             await flood(client, args)
     finally:
-        await client.close()
+        await server.close()
+        client.threads.shutdown()
 
 
-async def concurrent(client: TestClient, args: argparse.Namespace) -> None:
+async def concurrent(client: Client, args: argparse.Namespace) -> None:
     """--concurrent clients each sending the chat of one-letter messages; the peak RSS it cost."""
     name, path, body = inputs(args.mb)[-1]
     raw = json.dumps(body).encode()
     del body
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # GB (Linux: KB)
-    rs = await asyncio.gather(*[client.post(path, data=raw, headers={"Content-Type": "application/json"})
-                                for _ in range(args.concurrent)])
+    rs = await asyncio.gather(*[client.post(path, raw) for _ in range(args.concurrent)])
     print(f"| {args.concurrent} x {name} | body MB | statuses | peak RSS GB (before) |\n|---|---|---|---|\n"
-          f"| | {len(raw) / 1e6:.0f} | {sorted(set(r.status for r in rs))} | "
+          f"| | {len(raw) / 1e6:.0f} | {sorted(set(status for status, _ in rs))} | "
           f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} ({before:.2f}) |")
 
 
-async def flood(client: TestClient, args: argparse.Namespace) -> None:
+async def flood(client: Client, args: argparse.Namespace) -> None:
     """--flood clients tokenizing a tenth of --mb MB each, and a fitting prompt's /tokenize among them."""
     big = json.dumps({"model": "smollm2", "prompt": "word " * (args.mb * 20_000)}).encode()
-    fits = {"model": "smollm2", "prompt": "fits " * 8_000}
+    fits = json.dumps({"model": "smollm2", "prompt": "fits " * 8_000}).encode()
     loop = asyncio.get_running_loop()
     t0 = loop.time()
-    posts = [asyncio.create_task(client.post("/tokenize", data=big, headers={"Content-Type": "application/json"}))
-             for _ in range(args.flood)]
+    posts = [asyncio.create_task(client.post("/tokenize", big)) for _ in range(args.flood)]
     await asyncio.sleep(0.5)
     t1 = loop.time()
-    r = await client.post("/tokenize", json=fits)
-    await r.read()
+    status, _ = await client.post("/tokenize", fits)
     waited = loop.time() - t1
-    for p in posts:
-        await (await p).read()
+    await asyncio.gather(*posts)
     print(f"\n| flood | body MB each | fitting /tokenize status | it waited s | flood s |\n|---|---|---|---|---|\n"
-          f"| {args.flood} clients | {len(big) / 1e6:.0f} | {r.status} | {waited:.2f} | {loop.time() - t0:.2f} |")
+          f"| {args.flood} clients | {len(big) / 1e6:.0f} | {status} | {waited:.2f} | {loop.time() - t0:.2f} |")
 
 
 if __name__ == "__main__":

@@ -179,6 +179,11 @@ async def test_malformed_json_and_non_object(client):
     r = await client.post("/v1/completions", json=[1, 2])
     assert r.status == 400
     assert_error(await r.json(), None)
+    # an integer of over 4,300 digits: json.loads raises a plain ValueError, which was a 500
+    r = await client.post("/v1/completions", data=b'{"model": "smollm2", "prompt": "x", "max_tokens": ' + b"9" * 5000
+                          + b"}", headers={"Content-Type": "application/json"})
+    assert r.status == 400, await r.text()
+    assert_error(await r.json(), None, "invalid_json")
 
 
 @pytest.mark.parametrize("path,raw,param", [

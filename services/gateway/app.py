@@ -6,6 +6,7 @@ import contextvars
 import functools
 import logging
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -157,6 +158,7 @@ def build_app(cfg: GatewayConfig, *, tokenizer: Any = None, index: Any = None,
     if max_model_len is None:
         from kvmesh.model.config import load_model_config
         max_model_len = load_model_config(cfg.model).max_position_embeddings
+    tokenizer.fewest_tokens("")  # its first call reads the whole vocabulary (70 ms): not on a request
     if index is None:
         from kvmesh.index import make_index
         index = make_index(cfg.redis_url)
@@ -173,6 +175,8 @@ def build_app(cfg: GatewayConfig, *, tokenizer: Any = None, index: Any = None,
                                        detokenize=tokenizer.decode),
                  bulk=ThreadPoolExecutor(cfg.bulk_threads, thread_name_prefix="gateway-bulk"),
                  bulk_slots=asyncio.Semaphore(cfg.bulk_threads))
+    for _ in range(cfg.bulk_threads):  # started now: a thread's start waits for the GIL, which a
+        gw.bulk.submit(time.sleep, 0.01)  # big body's parse may hold 0.1 s, on the loop
     tracer = tracer or trace.get_tracer("kvmesh.gateway")
     # tracing outermost: its span is current while the handler calls workers, and sees the final status
     app = web.Application(middlewares=[tracing_middleware(tracer), errors_and_auth],

@@ -219,7 +219,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 ids = await P.encode_prompt(gw, p, req.common, param, add_special_tokens=True)
                 jobs.append(P.make_job(gw, ids, p, req.common, param))
             else:
-                jobs.append(await P.prepared(request, P.ids_job, gw, list(p), req.common, param))
+                jobs.append(await P.prepared(request, P.ids_job, gw, p, req.common, param))  # no copy on the loop
     return await _generate(request, gw, jobs, req.common, chat=False,
                            want_logprobs=req.common.sampling.logprobs is not None, echo=req.echo)
 
@@ -251,14 +251,15 @@ async def tokenize(request: web.Request) -> web.Response:
     async with P.body_slot(request):
         req, text = await P.prepared(request, P.tokenize_input, gw, await read_json(request, gw.in_thread))
         ids = await P.encode(gw, text, add_special_tokens=req["add_special_tokens"])
-        return web.json_response(text=await P.tokenize_response(gw, req, ids))
+        body = await P.tokenize_response(gw, req, ids)
+        return web.Response(body=body, content_type="application/json", charset="utf-8")
 
 
 async def detokenize(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     async with P.body_slot(request):
-        return web.json_response(text=await P.prepared(request, P.detokenized, gw,
-                                                       await read_json(request, gw.in_thread)))
+        body = await P.prepared(request, P.detokenized, gw, await read_json(request, gw.in_thread))
+        return web.Response(body=body, content_type="application/json", charset="utf-8")
 
 
 async def health(request: web.Request) -> web.Response:
