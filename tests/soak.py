@@ -226,7 +226,8 @@ class _Client:
         elif cut < 0.12:
             raw = raw.replace(b'"', b"\xff", 1)  # not UTF-8
         elif cut < 0.15:
-            raw = self.rng.choice([b"[]", b"null", b"1", b'"a"', b"[" * 5000 + b"]" * 5000, b""])
+            raw = self.rng.choice([b"[]", b"null", b"1", b'"a"', b"[" * 5000 + b"]" * 5000, b"",
+                                   b'{"max_tokens": ' + b"9" * 5000 + b"}"])  # int over 4,300 digits
         method = "POST" if self.rng.random() > 0.03 else self.rng.choice(["GET", "PUT", "DELETE"])
         return method, path, raw
 
