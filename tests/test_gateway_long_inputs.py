@@ -157,7 +157,8 @@ async def test_big_bodies_are_parsed_a_bulk_slot_at_a_time(model_facts):  # noqa
     was answered at once."""
     c = await start(model_facts, max_model_len=8192, bulk_threads=1)
     try:
-        slow = asyncio.create_task(c.post("/tokenize", json={"model": "smollm2", "prompt": " ".join(["w"] * 1_500_000)}))
+        long_text = {"model": "smollm2", "prompt": " ".join(["w"] * 1_500_000)}
+        slow = asyncio.create_task(c.post("/tokenize", json=long_text))
         await asyncio.sleep(0.3)  # the slow one holds the slot, tokenizing
         bad = b'{"model": "smollm2", "prompt": "' + b"word " * 400_000 + b'", "max_tokens": 4'  # 2 MB, no }
         r = await c.post("/v1/completions", data=bad, headers={"Content-Type": "application/json"})
@@ -174,7 +175,8 @@ async def test_big_bodies_past_eight_a_slot_get_a_429_unread(model_facts):  # no
     are read or waiting; the next is refused before its body is read, and served once they are done."""
     c = await start(model_facts, max_model_len=8192, bulk_threads=1)
     try:
-        slow = asyncio.create_task(c.post("/tokenize", json={"model": "smollm2", "prompt": " ".join(["w"] * 1_500_000)}))
+        long_text = {"model": "smollm2", "prompt": " ".join(["w"] * 1_500_000)}
+        slow = asyncio.create_task(c.post("/tokenize", json=long_text))
         await asyncio.sleep(0.3)  # the slow one holds the slot
         big = {"model": "smollm2", "prompt": " ".join(["word"] * 250_000)}  # 1.25 MB
         waiting = [asyncio.create_task(c.post("/tokenize", json=big)) for _ in range(7)]
@@ -214,7 +216,8 @@ async def test_a_client_that_leaves_keeps_its_bulk_slot_till_its_thread_is_done(
 
     gw.tokenizer = Timed(gw.tokenizer)
     try:
-        left = asyncio.create_task(c.post("/tokenize", json={"model": "smollm2", "prompt": " ".join(["w"] * 1_500_000)}))
+        long_text = {"model": "smollm2", "prompt": " ".join(["w"] * 1_500_000)}
+        left = asyncio.create_task(c.post("/tokenize", json=long_text))
         await asyncio.sleep(0.4)  # its body read, its text being tokenized in the bulk thread
         left.cancel()  # the client leaves: the connection closes
         await asyncio.gather(left, return_exceptions=True)
@@ -236,12 +239,22 @@ async def test_a_big_body_is_parsed_in_turns_with_the_loop(client):  # noqa: F81
     """json.loads of 3M ids holds the GIL for its whole length (~0.2 s), in a thread or not; a big
     body is parsed in a thread with a Python hook for every number and object, so the loop gets
     its turns meanwhile. The longest stall is measured against json.loads timed here."""
+    import urllib.error
+    import urllib.request
     ids = [100 + (i * 7919) % 40000 for i in range(3_000_000)]
     raw = json.dumps({"model": "smollm2", "prompt": ids, "max_tokens": 4}).encode()
+
+    def post() -> urllib.error.HTTPError:  # from a thread: an aiohttp client's 22 MB write on this
+        req = urllib.request.Request(str(client.make_url("/v1/completions")), data=raw,  # loop stalls it
+                                     headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=60)
+        except urllib.error.HTTPError as e:
+            return e
     async with LoopGaps() as loop:
-        r = await client.post("/v1/completions", data=raw, headers={"Content-Type": "application/json"})
-        err = (await r.json())["error"]
-    assert r.status == 400 and err["code"] == "context_length_exceeded", err
+        r = await asyncio.to_thread(post)
+    err = json.loads(r.read())["error"]
+    assert r.code == 400 and err["code"] == "context_length_exceeded", err
     t0 = time.perf_counter()
     assert json.loads(raw)["prompt"] == ids
     loads_s = time.perf_counter() - t0

@@ -9,7 +9,8 @@ from aiohttp import web
 
 from kvmesh.gateway.openai_api import ApiError
 
-BIG_BODY_BYTES = 1 << 20  # bodies this large are parsed and walked in a thread (prompts.py checks and renders them there too)
+# bodies this large are parsed and walked in a thread (prompts.py checks and renders them there too)
+BIG_BODY_BYTES = 1 << 20
 # bytes that can decode to a UTF-16 surrogate: a \uD800-\uDFFF escape, or the raw UTF-8-like bytes of one
 # (json.loads decodes bytes with surrogatepass); only bodies holding one are walked
 _MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")

@@ -108,7 +108,8 @@ async def body_slot(request: web.Request):
         most = BIG_BODIES_PER_SLOT * gw.cfg.bulk_threads
         if gw.big_bodies >= most:
             raise ApiError(429, f"{most} bodies of 1 MB or more are being read or prepared already "
-                                "(8 per --bulk-threads); retry later", type="rate_limit_exceeded")
+                                f"({BIG_BODIES_PER_SLOT} per --bulk-threads); retry later",
+                           type="rate_limit_exceeded")
         gw.big_bodies += 1
     try:
         if len(await request.read()) < BIG_BODY_BYTES:  # aiohttp keeps the bytes for read_json
