@@ -4,7 +4,7 @@ CI's short soak (tests/test_soak.py), and a table of what each kind of request g
 
     .venv/bin/python benchmarks/soak.py [--seconds 300] [--clients 12] [--kv-cache-dtype auto,int4]
         [--num-prefill 1] [--num-decode 2] [--num-kvstore 1] [--engine-process on] [--kv-cache-memory 48MiB]
-        [--seed 0] [--device cpu]
+        [--seed 0] [--device cpu] [--loop-watch-seconds 1]
 
 A stack per --kv-cache-dtype value, one after the other; its services' output goes to
 /tmp/kvmesh-soak-DTYPE.log (an ERROR line or a traceback there is a problem too). Exits 1 if any rule broke (the problems
@@ -29,8 +29,10 @@ from kvmesh.launcher import Stack  # noqa: E402
 def one_stack(args: argparse.Namespace, kv_dtype: str) -> list[str]:
     cfg = soak_stack_config(kv_dtype, args.kv_cache_memory)
     where = () if args.engine_process == "on" else ("--no-engine-process",)
+    watch = ("--loop-watch-seconds", str(args.loop_watch_seconds))
+    extra = (("prefill", where + watch), ("decode", where + watch), ("kvstore", watch), ("gateway", watch))
     cfg = dataclasses.replace(cfg, num_prefill=args.num_prefill, num_decode=args.num_decode,
-                              num_kvstore=args.num_kvstore, extra_args=(("prefill", where), ("decode", where)),
+                              num_kvstore=args.num_kvstore, extra_args=extra,
                               engine_flags=cfg.engine_flags + (("--device", args.device) if args.device else ()))
     problems: list[str] = []
     started = time.monotonic()
@@ -72,6 +74,8 @@ def main() -> int:
     ap.add_argument("--kv-cache-memory", default="48MiB", help="each worker's KV pool (small: bursts preempt)")
     ap.add_argument("--device", default="", help="the workers' --device (default: theirs)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--loop-watch-seconds", type=float, default=1.0,
+                    help="every service logs (a problem here) a blocking call that holds its loop this long")
     args = ap.parse_args()
     problems = []
     for kv_dtype in args.kv_cache_dtype.split(","):

@@ -122,6 +122,8 @@ def _add_common_service_args(p: argparse.ArgumentParser) -> None:
     if "--log-level" not in known:
         p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="logging level")
+    p.add_argument("--loop-watch-seconds", type=float, default=1.0,
+                   help="log the stack of a blocking call that holds the event loop this long (0: off)")
 
 
 def _add_memory_args(p: argparse.ArgumentParser) -> None:
@@ -185,7 +187,7 @@ def _setup_logging(level: str, role: str) -> None:
                         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
 
 
-async def serve_until_signal(coro) -> None:
+async def serve_until_signal(coro, loop_watch_s: float = 1.0) -> None:
     """Run a service coroutine until it ends or SIGINT/SIGTERM arrives (then cancel it: graceful stop);
     SIGUSR1 prints where it waits (kvmesh.stack_dump); a loop held by a blocking call is logged
     (kvmesh.loop_watch)."""
@@ -197,15 +199,17 @@ async def serve_until_signal(coro) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, task.cancel)
     install_on_loop(loop)  # kill -USR1: where every thread and task waits, on stderr
-    watch = LoopWatch()
-    watch.start()
+    watch = LoopWatch(threshold_s=loop_watch_s) if loop_watch_s > 0 else None
+    if watch is not None:
+        watch.start()
     try:
         await task
     except asyncio.CancelledError:
         if not task.cancelled():
             raise
     finally:
-        await watch.stop()
+        if watch is not None:
+            await watch.stop()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
             loop.remove_signal_handler(sig)
 
@@ -235,12 +239,14 @@ def _run_service(role: str, args: argparse.Namespace, parser: argparse.ArgumentP
         cfg = importlib.import_module(entry.config_module).from_args(args)
     except ValueError as e:  # config validation names the flag
         parser.error(str(e))
+    if args.loop_watch_seconds < 0:
+        parser.error(f"--loop-watch-seconds must be >= 0, got {args.loop_watch_seconds}")
     _setup_logging(args.log_level, role)
     serve = importlib.import_module(entry.server_module).serve
     endpoint = args.otlp_endpoint or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
     tracing = setup_tracing(f"kvmesh-{role}", endpoint)
     try:
-        uvloop.run(serve_until_signal(serve(cfg)))
+        uvloop.run(serve_until_signal(serve(cfg), args.loop_watch_seconds))
     finally:
         tracing.shutdown()
     return 0

@@ -71,6 +71,7 @@ def test_bad_env_names_variable_and_flag(command, env, needle, capsys):
     (["up", "--kv-cache-dtype", "fp4"], "--kv-cache-dtype"),
     (["kvstore", "--port", "x"], "argument --port: invalid int value"),
     (["launch"], "invalid choice: 'launch'"),
+    (["kvstore", "--loop-watch-seconds", "-1"], "--loop-watch-seconds must be >= 0, got -1.0"),
 ])
 def test_errors_name_the_flag(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:

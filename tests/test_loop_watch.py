@@ -60,3 +60,13 @@ def test_under_uvloop_too(caplog):
         assert uvloop.run(watched(wait)).stalls == 0
         assert uvloop.run(watched(hold)).stalls == 1
     assert sum("blocking_work" in m for m in messages(caplog)) == 1
+
+
+async def test_serve_until_signal_watches_at_the_threshold_it_is_given(caplog):
+    """--loop-watch-seconds: every service's LoopWatch threshold (0: none)."""
+    from kvmesh.cli import serve_until_signal
+    for threshold, logged in ((0.4, True), (0, False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvmesh.loop"):
+            await serve_until_signal(hold(), threshold)
+        assert any("has been held" in m for m in messages(caplog)) == logged, (threshold, messages(caplog))
