@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Awaitable, Callable, Mapping, Optional, Sequence
 
 ENV_PREFIX = "KVMESH_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -187,21 +187,21 @@ def _setup_logging(level: str, role: str) -> None:
                         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
 
 
-async def serve_until_signal(coro, loop_watch_s: float = 1.0) -> None:
-    """Run a service coroutine until it ends or SIGINT/SIGTERM arrives (then cancel it: graceful stop);
-    SIGUSR1 prints where it waits (kvmesh.stack_dump); a loop held by a blocking call is logged
-    (kvmesh.loop_watch)."""
+async def serve_until_signal(serve: Callable[[Callable[[], None]], Awaitable],
+                             loop_watch_s: float = 1.0) -> None:
+    """Run a service, `serve(on_ready)`, until it ends or SIGINT/SIGTERM arrives (then cancel it:
+    graceful stop); SIGUSR1 prints where it waits (kvmesh.stack_dump); once it serves, a loop held
+    by a blocking call is logged (kvmesh.loop_watch; its start-up, imports and models, is not: a
+    cold start on a loaded machine held the loop over 1 s importing aiohttp)."""
     from kvmesh.loop_watch import LoopWatch
     from kvmesh.stack_dump import install_on_loop
 
-    task = asyncio.ensure_future(coro)
+    watch = LoopWatch(threshold_s=loop_watch_s) if loop_watch_s > 0 else None
+    task = asyncio.ensure_future(serve(watch.start if watch is not None else lambda: None))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, task.cancel)
     install_on_loop(loop)  # kill -USR1: where every thread and task waits, on stderr
-    watch = LoopWatch(threshold_s=loop_watch_s) if loop_watch_s > 0 else None
-    if watch is not None:
-        watch.start()
     try:
         await task
     except asyncio.CancelledError:
@@ -246,7 +246,7 @@ def _run_service(role: str, args: argparse.Namespace, parser: argparse.ArgumentP
     endpoint = args.otlp_endpoint or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
     tracing = setup_tracing(f"kvmesh-{role}", endpoint)
     try:
-        uvloop.run(serve_until_signal(serve(cfg), args.loop_watch_seconds))
+        uvloop.run(serve_until_signal(lambda on_ready: serve(cfg, on_ready), args.loop_watch_seconds))
     finally:
         tracing.shutdown()
     return 0
@@ -291,7 +291,7 @@ def _run_index(args: argparse.Namespace) -> int:
     from kvmesh.remote_index import serve_index
 
     _setup_logging(args.log_level, "index")
-    uvloop.run(serve_until_signal(serve_index(args.host, args.port)))
+    uvloop.run(serve_until_signal(lambda on_ready: serve_index(args.host, args.port, on_ready)))
     return 0
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import msgpack
 from aiohttp import ClientSession, ClientTimeout, web
@@ -73,13 +73,14 @@ def make_index_app(index: Optional[MemoryIndex] = None) -> web.Application:
     return app
 
 
-async def serve_index(host: str, port: int) -> None:
-    """Serve one MemoryIndex at http://host:port until cancelled."""
+async def serve_index(host: str, port: int, on_ready: Callable[[], None] = lambda: None) -> None:
+    """Serve one MemoryIndex at http://host:port until cancelled; `on_ready()` once it serves."""
     runner = web.AppRunner(make_index_app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
     log.info("prefix index (in memory) serving on http://%s:%d", host, port)
+    on_ready()
     try:
         await asyncio.Event().wait()
     finally:

@@ -228,10 +228,11 @@ class Worker:
         await self.runtime.stop(grace)
 
 
-async def serve_worker(cfg: WorkerConfig, make_worker: Callable[..., Worker]) -> None:
+async def serve_worker(cfg: WorkerConfig, make_worker: Callable[..., Worker],
+                       on_ready: Callable[[], None] = lambda: None) -> None:
     """Builds the real engine (in a process of its own unless --no-engine-process), kvstore client
-    and index, runs `make_worker(cfg, engine, kvstore, index)` until cancelled, then stops it and
-    closes what it used."""
+    and index, runs `make_worker(cfg, engine, kvstore, index)` until cancelled (`on_ready()` once it
+    serves), then stops it and closes what it used."""
     from kvmesh.index import make_index
     from kvmesh.kvstore.client import GrpcKVStoreClient
 
@@ -249,6 +250,7 @@ async def serve_worker(cfg: WorkerConfig, make_worker: Callable[..., Worker]) ->
     worker = make_worker(cfg, engine, kvstore, index)
     try:
         await worker.start()
+        on_ready()
         await worker.runtime.wait()
     finally:
         await worker.stop()

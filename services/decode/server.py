@@ -19,7 +19,7 @@ import contextlib
 import itertools
 import logging
 import time
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 import grpc
 from opentelemetry import trace
@@ -208,6 +208,6 @@ class DecodeWorker(Worker):
         self.runtime.add_servicer(lambda s: pb_grpc.add_DecodeServicer_to_server(self.servicer, s))
 
 
-async def serve(cfg: DecodeConfig) -> None:
-    """Runs a decode worker until cancelled (kvmesh decode ...)."""
-    await serve_worker(cfg, DecodeWorker)
+async def serve(cfg: DecodeConfig, on_ready: Callable[[], None] = lambda: None) -> None:
+    """Runs a decode worker until cancelled (kvmesh decode ...); `on_ready()` once it serves."""
+    await serve_worker(cfg, DecodeWorker, on_ready)

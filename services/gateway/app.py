@@ -9,7 +9,7 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from aiohttp import web
 from opentelemetry import trace
@@ -214,10 +214,11 @@ async def start(cfg: GatewayConfig, **app_kwargs) -> tuple[web.AppRunner, int]:
     return runner, port
 
 
-async def serve(cfg: GatewayConfig, **app_kwargs) -> None:
-    """Serve until cancelled."""
+async def serve(cfg: GatewayConfig, on_ready: Callable[[], None] = lambda: None, **app_kwargs) -> None:
+    """Serve until cancelled; `on_ready()` once it serves."""
     runner, port = await start(cfg, **app_kwargs)
     print(f"kvmesh gateway listening on http://{cfg.host}:{port}/v1", flush=True)
+    on_ready()
     try:
         await asyncio.Event().wait()
     finally:

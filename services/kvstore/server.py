@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -274,10 +275,11 @@ class KVStoreServer:
             await self.index.close()
 
 
-async def serve(cfg: KVStoreConfig) -> None:
-    """Run a kvstore node until cancelled."""
+async def serve(cfg: KVStoreConfig, on_ready: Callable[[], None] = lambda: None) -> None:
+    """Run a kvstore node until cancelled; `on_ready()` once it serves."""
     server = KVStoreServer(cfg)
     await server.start()
+    on_ready()
     try:
         await asyncio.Event().wait()
     finally:

@@ -20,7 +20,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import grpc
 from opentelemetry import trace
@@ -156,6 +156,6 @@ class PrefillWorker(Worker):
         self.runtime.add_servicer(lambda s: pb_grpc.add_PrefillServicer_to_server(self.servicer, s))
 
 
-async def serve(cfg: PrefillConfig) -> None:
-    """Runs a prefill worker until cancelled (kvmesh prefill ...)."""
-    await serve_worker(cfg, PrefillWorker)
+async def serve(cfg: PrefillConfig, on_ready: Callable[[], None] = lambda: None) -> None:
+    """Runs a prefill worker until cancelled (kvmesh prefill ...); `on_ready()` once it serves."""
+    await serve_worker(cfg, PrefillWorker, on_ready)
