@@ -43,7 +43,7 @@ class Gateway:
     metrics: GatewayMetrics
     dispatcher: Dispatcher
     bulk: ThreadPoolExecutor  # inputs longer than any prompt the context holds (--bulk-threads)
-    bulk_slots: asyncio.Semaphore  # big bodies read and prepared at once (--bulk-threads): the memory they take
+    bulk_slots: asyncio.Semaphore  # big bodies parsed and prepared at once (--bulk-threads): the memory they take
     active: int = 0
     big_bodies: int = 0  # bodies of 1 MB or more read, waiting or prepared now (prompts.body_slot)
 
